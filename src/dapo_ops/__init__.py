@@ -1,0 +1,35 @@
+"""dapo_ops: exact, fast, shape-typed PyTorch functions for DAPO-style RL fine-tuning.
+
+The math is derived in docs/; every public function documents its formula, shapes and
+defaults. Import what you need::
+
+    from dapo_ops import token_level_loss, group_advantages, global_normalizer
+"""
+
+from dapo_ops.advantages import group_advantages
+from dapo_ops.aggregation import PartialLoss, aggregate_partial, token_level_aggregate
+from dapo_ops.diagnostics import PolicyDiagnostics, policy_diagnostics
+from dapo_ops.distributed import global_normalizer
+from dapo_ops.loss import token_level_loss
+from dapo_ops.rewards import overlong_filter, overlong_reward
+from dapo_ops.sampling import dynamic_sample_mask, kept_group_fraction, prompts_to_generate
+from dapo_ops.surrogate import clip_higher_surrogate
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PartialLoss",
+    "PolicyDiagnostics",
+    "aggregate_partial",
+    "clip_higher_surrogate",
+    "dynamic_sample_mask",
+    "global_normalizer",
+    "group_advantages",
+    "kept_group_fraction",
+    "overlong_filter",
+    "overlong_reward",
+    "policy_diagnostics",
+    "prompts_to_generate",
+    "token_level_aggregate",
+    "token_level_loss",
+]

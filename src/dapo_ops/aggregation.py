@@ -1,0 +1,186 @@
+"""Token-level loss aggregation (DAPO change 3) and the peer modes it is compared with."""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import torch
+from jaxtyping import Bool, Float, Integer
+from torch import Tensor
+
+from dapo_ops._validate import as_bool_mask, check_float, check_ndim, check_option
+
+AggregationMode = Literal[
+    "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
+]
+AGGREGATION_MODES: tuple[str, ...] = (
+    "token_mean",
+    "seq_mean_token_mean",
+    "seq_mean_token_sum",
+    "seq_mean_token_sum_norm",
+)
+
+
+class PartialLoss(NamedTuple):
+    """A loss as an exact (numerator, denominator) pair.
+
+    ``numerator`` is a sum over this micro-batch only; ``denominator`` is this
+    micro-batch's share of the normaliser (valid tokens for ``token_mean``, non-empty
+    sequences for the ``seq_mean_*`` modes). Pairs from micro-batches and ranks add up
+    (``+`` is element-wise), and ``numerator / denominator`` of the sum is the
+    full-batch loss.
+    """
+
+    numerator: Float[Tensor, ""]
+    denominator: Float[Tensor, ""]
+
+    def __add__(self, other: object) -> PartialLoss:  # type: ignore[override]
+        if not isinstance(other, PartialLoss):
+            return NotImplemented
+        return PartialLoss(self.numerator + other.numerator, self.denominator + other.denominator)
+
+    def value(self) -> Float[Tensor, ""]:
+        """``numerator / denominator``; 0 (not NaN) when the denominator is 0."""
+        return safe_divide(self.numerator, self.denominator)
+
+
+def safe_divide(num: Tensor, den: Tensor | float) -> Tensor:
+    """``num / den`` with 0 where ``den == 0`` (then ``num`` is 0 too), NaN-free gradient."""
+    den_t = torch.as_tensor(den, dtype=num.dtype, device=num.device)
+    return num / torch.where(den_t == 0, torch.ones_like(den_t), den_t)
+
+
+def aggregate_partial(
+    per_token_loss: Float[Tensor, "batch seq"],
+    mask: Bool[Tensor, "batch seq"] | Integer[Tensor, "batch seq"],
+    *,
+    mode: AggregationMode = "token_mean",
+    max_len: int | None = None,
+) -> PartialLoss:
+    r"""The micro-batch's exact share of an aggregated loss, as (numerator, denominator).
+
+    With :math:`\ell_{i,t}` the per-token loss, :math:`m_{i,t}` the mask,
+    :math:`n_i = \sum_t m_{i,t}` and :math:`S = \{i : n_i > 0\}` (sequences with at least
+    one valid token):
+
+    ============================  =================================================  ==============
+    mode                          numerator                                          denominator
+    ============================  =================================================  ==============
+    ``token_mean`` (DAPO)         :math:`\sum_{i,t} m_{i,t}\ell_{i,t}`               :math:`\sum_i n_i`
+    ``seq_mean_token_mean`` (GRPO) :math:`\sum_{i\in S} \frac{1}{n_i}\sum_t m\ell`   :math:`|S|`
+    ``seq_mean_token_sum``        :math:`\sum_{i,t} m_{i,t}\ell_{i,t}`               :math:`|S|`
+    ``seq_mean_token_sum_norm``   :math:`\frac{1}{L}\sum_{i,t} m_{i,t}\ell_{i,t}`    :math:`|S|`
+    ============================  =================================================  ==============
+
+    ``L = max_len`` is Dr. GRPO's constant (the generation cap); it defaults to the
+    ``seq`` size of the tensor, as in verl, but pass it explicitly whenever micro-batches
+    may be padded to different lengths, or the objective depends on the padding. Other
+    modes ignore it, so one set of options can serve every mode.
+
+    Shapes: per_token_loss ``[batch, seq]``; mask ``[batch, seq]`` (bool or 0/1 integers).
+    Returns two 0-dim tensors (float32, or float64 for float64 input).
+
+    Example:
+        >>> part = aggregate_partial(torch.ones(2, 3), torch.tensor([[1, 1, 0], [1, 0, 0]]))
+        >>> part.numerator, part.denominator
+        (tensor(3.), tensor(3.))
+    """
+    check_float("per_token_loss", per_token_loss)
+    check_ndim("per_token_loss", per_token_loss, 2, "[batch, seq]")
+    valid = as_bool_mask("mask", mask, "per_token_loss", per_token_loss)
+    check_option("mode", mode, AGGREGATION_MODES)
+    if max_len is not None and not max_len > 0:
+        raise ValueError(f"max_len must be > 0, got {max_len}")
+    dtype = torch.float64 if per_token_loss.dtype == torch.float64 else torch.float32
+    loss = torch.where(valid, per_token_loss.to(dtype), per_token_loss.new_zeros((), dtype=dtype))
+    if mode == "token_mean":
+        return PartialLoss(loss.sum(), valid.sum().to(dtype))
+    seq_tokens = valid.sum(dim=-1).to(dtype)
+    num_seqs = (seq_tokens > 0).sum().to(dtype)
+    seq_sum = loss.sum(dim=-1)
+    if mode == "seq_mean_token_mean":
+        return PartialLoss(safe_divide(seq_sum, seq_tokens).sum(), num_seqs)
+    if mode == "seq_mean_token_sum":
+        return PartialLoss(seq_sum.sum(), num_seqs)
+    length = per_token_loss.shape[-1] if max_len is None else max_len
+    return PartialLoss(seq_sum.sum() / length, num_seqs)
+
+
+def token_level_aggregate(
+    per_token_loss: Float[Tensor, "batch seq"],
+    mask: Bool[Tensor, "batch seq"] | Integer[Tensor, "batch seq"],
+    *,
+    mode: AggregationMode = "token_mean",
+    normalizer: Float[Tensor, ""]
+    | Integer[Tensor, ""]
+    | int
+    | float
+    | Literal["local"]
+    | None = None,
+    max_len: int | None = None,
+) -> Float[Tensor, ""]:
+    r"""Aggregate a per-token loss into the scalar that is backpropagated.
+
+    ``loss = numerator / denominator`` with the table of :func:`aggregate_partial`.
+    DAPO's ``token_mean`` weighs every valid token of the batch equally (1 / total
+    tokens); GRPO's ``seq_mean_token_mean`` weighs every *sequence* equally, so a token
+    of a 10-token answer weighs 20x one of a 200-token answer.
+
+    ``normalizer`` replaces the local denominator by a global one (a Python number or a
+    0-dim tensor): the valid-token count of the whole optimiser step for ``token_mean``,
+    the non-empty sequence count for the ``seq_mean_*`` modes, across micro-batches and
+    ranks. Then the micro-batch losses *add up* to the full-batch loss. Use
+    :func:`dapo_ops.global_normalizer` to compute it (it also applies the world-size
+    factor of DDP's gradient averaging). With ``normalizer=None`` the local count is
+    used, which is exact only when this call sees the whole batch; under an initialised
+    multi-rank ``torch.distributed`` that is refused unless ``normalizer="local"`` says
+    so explicitly.
+
+    A zero denominator (everything masked) gives loss 0 and a zero gradient, never NaN.
+
+    Shapes: per_token_loss ``[batch, seq]``, mask ``[batch, seq]`` (bool or 0/1
+    integers); returns a 0-dim float32 tensor (float64 for float64 input).
+
+    Defaults: ``mode="token_mean"`` is DAPO's (sec. 3.3); verl calls it ``token-mean``,
+    TRL ``loss_type="dapo"`` (global) / ``"bnpo"`` (local count).
+
+    Example:
+        >>> loss = torch.tensor([[1.0, 1.0, 9.0], [4.0, 0.0, 0.0]])
+        >>> mask = torch.tensor([[True, True, False], [True, False, False]])
+        >>> token_level_aggregate(loss, mask)  # (1 + 1 + 4) / 3
+        tensor(2.)
+        >>> token_level_aggregate(loss, mask, normalizer=6)  # half of a 6-token step
+        tensor(1.)
+    """
+    part = aggregate_partial(per_token_loss, mask, mode=mode, max_len=max_len)
+    if normalizer is None or isinstance(normalizer, str):
+        if isinstance(normalizer, str) and normalizer != "local":
+            raise ValueError(
+                f"normalizer must be a number, a 0-dim tensor, None or 'local'; got {normalizer!r}"
+            )
+        if normalizer is None:
+            _refuse_local_count_under_distributed()
+        return safe_divide(part.numerator, part.denominator)
+    if isinstance(normalizer, Tensor):
+        if normalizer.ndim != 0:
+            raise ValueError(
+                f"normalizer must be a 0-dim tensor, got shape {list(normalizer.shape)}"
+            )
+        if normalizer.is_complex() or normalizer.dtype == torch.bool:
+            raise TypeError(f"normalizer must be a real number, got dtype {normalizer.dtype}")
+    elif isinstance(normalizer, bool) or not isinstance(normalizer, (int, float)):
+        raise TypeError(f"normalizer must be a number or a 0-dim tensor, got {normalizer!r}")
+    elif not normalizer > 0:
+        raise ValueError(f"normalizer must be > 0, got {normalizer}")
+    return safe_divide(part.numerator, normalizer)
+
+
+def _refuse_local_count_under_distributed() -> None:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(
+            "normalizer=None under torch.distributed with world size "
+            f"{dist.get_world_size()} would divide by this rank's own count and change the "
+            "objective; pass normalizer=dapo_ops.global_normalizer(masks, mode=...) or, to "
+            "opt in to the per-rank count (TRL's 'bnpo'), normalizer='local'"
+        )

@@ -1,0 +1,147 @@
+"""What a trainer logs about a policy update, as 0-dim tensors: no host sync."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from jaxtyping import Bool, Float, Integer
+from torch import Tensor
+
+from dapo_ops._validate import check_clip_range
+from dapo_ops.aggregation import safe_divide
+from dapo_ops.surrogate import LOG_RATIO_CLAMP, token_terms
+
+
+class PolicyDiagnostics(NamedTuple):
+    """Masked token statistics, kept as sums and counts so they combine exactly.
+
+    Every field is a 0-dim float32 tensor (detached). ``a + b`` combines two micro-batches
+    (sums add, min/max combine), :meth:`all_reduce` combines ranks, and the properties
+    turn the totals into the figures a trainer logs. Converting to Python numbers (e.g.
+    ``float(d.clip_frac_high)``) is the caller's choice, once per step.
+    """
+
+    valid_tokens: Float[Tensor, ""]
+    clipped_low: Float[Tensor, ""]  # A < 0 and r < 1 - eps_low: gradient 0
+    clipped_high: Float[Tensor, ""]  # A > 0 and r > 1 + eps_high: gradient 0
+    clipped_dual: Float[Tensor, ""]  # A < 0 and r > c (dual clip): gradient 0
+    ratio_sum: Float[Tensor, ""]
+    ratio_min: Float[Tensor, ""]  # +inf when no valid token
+    ratio_max: Float[Tensor, ""]  # -inf when no valid token
+    approx_kl_sum: Float[Tensor, ""]  # k3 estimate of KL(old || new), summed
+
+    def __add__(self, other: object) -> PolicyDiagnostics:  # type: ignore[override]
+        if not isinstance(other, PolicyDiagnostics):
+            return NotImplemented
+        return PolicyDiagnostics(
+            valid_tokens=self.valid_tokens + other.valid_tokens,
+            clipped_low=self.clipped_low + other.clipped_low,
+            clipped_high=self.clipped_high + other.clipped_high,
+            clipped_dual=self.clipped_dual + other.clipped_dual,
+            ratio_sum=self.ratio_sum + other.ratio_sum,
+            ratio_min=torch.minimum(self.ratio_min, other.ratio_min),
+            ratio_max=torch.maximum(self.ratio_max, other.ratio_max),
+            approx_kl_sum=self.approx_kl_sum + other.approx_kl_sum,
+        )
+
+    def all_reduce(self, group: object | None = None) -> PolicyDiagnostics:
+        """Totals over the ranks of ``group`` (a no-op without torch.distributed)."""
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()):
+            return self
+        sums = torch.stack(
+            [
+                self.valid_tokens,
+                self.clipped_low,
+                self.clipped_high,
+                self.clipped_dual,
+                self.ratio_sum,
+                self.approx_kl_sum,
+            ]
+        )
+        lo_neg_hi = torch.stack([self.ratio_min, -self.ratio_max])
+        dist.all_reduce(sums, group=group)  # type: ignore[arg-type]
+        dist.all_reduce(lo_neg_hi, op=dist.ReduceOp.MIN, group=group)  # type: ignore[arg-type]
+        valid, low, high, dual, ratio_sum, kl_sum = sums.unbind()
+        return PolicyDiagnostics(
+            valid_tokens=valid,
+            clipped_low=low,
+            clipped_high=high,
+            clipped_dual=dual,
+            ratio_sum=ratio_sum,
+            ratio_min=lo_neg_hi[0],
+            ratio_max=-lo_neg_hi[1],
+            approx_kl_sum=kl_sum,
+        )
+
+    @property
+    def clip_frac_low(self) -> Tensor:
+        return safe_divide(self.clipped_low, self.valid_tokens)
+
+    @property
+    def clip_frac_high(self) -> Tensor:
+        return safe_divide(self.clipped_high, self.valid_tokens)
+
+    @property
+    def clip_frac_dual(self) -> Tensor:
+        return safe_divide(self.clipped_dual, self.valid_tokens)
+
+    @property
+    def ratio_mean(self) -> Tensor:
+        return safe_divide(self.ratio_sum, self.valid_tokens)
+
+    @property
+    def approx_kl(self) -> Tensor:
+        return safe_divide(self.approx_kl_sum, self.valid_tokens)
+
+
+@torch.no_grad()
+def policy_diagnostics(
+    logp: Float[Tensor, "batch seq"],
+    old_logp: Float[Tensor, "batch seq"],
+    advantages: Float[Tensor, " batch"] | Float[Tensor, "batch 1"] | Float[Tensor, "batch seq"],
+    mask: Bool[Tensor, "batch seq"] | Integer[Tensor, "batch seq"],
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    dual_clip: float | None = None,
+    log_ratio_clamp: float = LOG_RATIO_CLAMP,
+) -> PolicyDiagnostics:
+    r"""Clip fractions, ratio statistics and approximate KL over the valid tokens.
+
+    With :math:`r = \exp(\log\pi_\theta - \log\pi_{old})` on valid tokens: the low / high
+    clip counts are the tokens whose clip is *active* (gradient exactly 0), i.e.
+    ``A < 0, r < 1 - eps_low`` and ``A > 0, r > 1 + eps_high``; the dual count is
+    ``A < 0, r > dual_clip``. ``approx_kl`` is the k3 estimator
+    :math:`\mathbb{E}_{old}[(r - 1) - \log r]` of :math:`KL(\pi_{old}\,\|\,\pi_\theta)`,
+    which is >= 0 per token.
+
+    Same shapes and options as :func:`clip_higher_surrogate`; returns a
+    :class:`PolicyDiagnostics` of detached 0-dim float32 tensors.
+
+    Example:
+        >>> d = policy_diagnostics(torch.zeros(1, 2), torch.tensor([[0.0, -1.0]]),
+        ...                        torch.tensor([1.0]), torch.ones(1, 2, dtype=torch.bool))
+        >>> float(d.clip_frac_high)
+        0.5
+    """
+    check_clip_range(eps_low, eps_high, dual_clip)
+    valid, log_ratio, ratio, adv = token_terms(
+        logp, old_logp, advantages, mask, log_ratio_clamp=log_ratio_clamp
+    )
+    f32 = torch.float32
+    low = valid & (adv < 0) & (ratio < 1.0 - eps_low)
+    high = valid & (adv > 0) & (ratio > 1.0 + eps_high)
+    dual = torch.zeros_like(valid) if dual_clip is None else valid & (adv < 0) & (ratio > dual_clip)
+    inf = torch.full_like(ratio, float("inf"))
+    return PolicyDiagnostics(
+        valid_tokens=valid.sum().to(f32),
+        clipped_low=low.sum().to(f32),
+        clipped_high=high.sum().to(f32),
+        clipped_dual=dual.sum().to(f32),
+        ratio_sum=torch.where(valid, ratio, 0.0).sum().to(f32),
+        ratio_min=torch.where(valid, ratio, inf).amin().to(f32),
+        ratio_max=torch.where(valid, ratio, -inf).amax().to(f32),
+        approx_kl_sum=torch.where(valid, (ratio - 1.0) - log_ratio, 0.0).sum().to(f32),
+    )

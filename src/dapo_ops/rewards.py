@@ -1,0 +1,111 @@
+"""Overlong reward shaping (DAPO change 4): soft punishment and the overlong filter."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from einops import rearrange
+from jaxtyping import Bool, Float, Integer
+from torch import Tensor
+
+from dapo_ops._validate import as_bool_mask, check_finite, check_ndim, is_compiling, shape_str
+
+
+def overlong_reward(
+    lengths: Integer[Tensor, " batch"] | Float[Tensor, " batch"],
+    *,
+    max_len: int,
+    cache_len: int,
+    factor: float = 1.0,
+) -> Float[Tensor, " batch"]:
+    r"""DAPO's soft overlong punishment, added to the correctness reward.
+
+    .. math::
+
+        R_{length}(y) = \text{factor} \cdot \begin{cases}
+            0 & |y| \le L_{max} - L_{cache} \\
+            \dfrac{(L_{max} - L_{cache}) - |y|}{L_{cache}} & L_{max} - L_{cache} < |y| \le L_{max} \\
+            -1 & |y| > L_{max}
+        \end{cases}
+
+    Continuous and non-increasing in ``|y|``; exactly 0 at ``max_len - cache_len``,
+    ``-factor`` at ``max_len`` and ``-factor`` for every longer length. Peers disagree past
+    ``max_len``: verl's ``overlong_buffer`` keeps extrapolating the line (below
+    ``-factor``), TRL returns -1; ours is capped at ``-factor``, like the paper's formula.
+
+    ``lengths`` are token counts of the generated response, **EOS included** (it is a
+    generated token and counts towards the generation cap; so does verl's
+    ``response_length`` and TRL's completion mask). Prompt tokens are not counted.
+
+    Shapes: ``lengths [batch]`` (integers or floats, >= 0); returns ``[batch]`` float32.
+
+    Defaults: the paper uses ``max_len=20480``, ``cache_len=4096`` (expected length
+    16384); ``factor=1.0`` is the paper's (verl's ``penalty_factor``).
+
+    Example:
+        >>> overlong_reward(torch.tensor([10, 16, 18, 20, 25]), max_len=20, cache_len=4)
+        tensor([ 0.0000,  0.0000, -0.5000, -1.0000, -1.0000])
+    """
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len <= 0:
+        raise ValueError(f"max_len must be a positive int, got {max_len!r}")
+    if isinstance(cache_len, bool) or not isinstance(cache_len, int):
+        raise ValueError(f"cache_len must be an int, got {cache_len!r}")
+    if not 0 < cache_len <= max_len:
+        raise ValueError(
+            f"cache_len must satisfy 0 < cache_len <= max_len={max_len}, got {cache_len}"
+        )
+    if not (math.isfinite(factor) and factor >= 0):
+        raise ValueError(f"factor must be finite and >= 0, got {factor}")
+    if not isinstance(lengths, Tensor):
+        raise TypeError(f"lengths must be a torch.Tensor, got {type(lengths).__name__}")
+    check_ndim("lengths", lengths, 1, "[batch]")
+    if lengths.dtype == torch.bool or lengths.dtype.is_complex:
+        raise TypeError(f"lengths must hold integer or float token counts, got {lengths.dtype}")
+    check_finite("lengths", lengths)
+    if not is_compiling() and bool((lengths < 0).any()):
+        raise ValueError(f"lengths must be >= 0, got min {lengths.min().item()}")
+    dtype = torch.float64 if lengths.dtype == torch.float64 else torch.float32
+    expected = max_len - cache_len
+    penalty = (expected - lengths.to(dtype)) / cache_len
+    return penalty.clamp(min=-1.0, max=0.0) * factor
+
+
+def overlong_filter(
+    mask: Bool[Tensor, "batch seq"] | Integer[Tensor, "batch seq"],
+    truncated: Bool[Tensor, " batch"],
+) -> Bool[Tensor, "batch seq"]:
+    r"""Overlong filtering: a loss mask that drops every token of truncated samples.
+
+    ``out[i, t] = mask[i, t] and not truncated[i]``. A truncated answer usually gets the
+    "wrong" reward although its reasoning may be sound; DAPO (sec. 3.4) masks its loss
+    instead of punishing it. ``truncated`` is the host's own flag (generation hit the cap
+    without EOS), e.g. ``lengths >= max_len`` when EOS counts in ``lengths`` and the
+    engine stops at ``max_len`` tokens; TRL calls this ``mask_truncated_completions``.
+
+    Feed the result to :func:`token_level_loss`. Filtered samples count neither in the
+    numerator nor in the denominator (tokens or sequences), and should be left out of
+    :func:`global_normalizer` the same way: pass it the filtered masks.
+
+    Shapes: mask ``[batch, seq]`` (bool or 0/1 integers), truncated ``[batch]`` bool;
+    returns ``[batch, seq]`` bool.
+
+    Example:
+        >>> mask = torch.ones(2, 3, dtype=torch.bool)
+        >>> overlong_filter(mask, torch.tensor([False, True]))
+        tensor([[ True,  True,  True],
+                [False, False, False]])
+    """
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
+    check_ndim("mask", mask, 2, "[batch, seq]")
+    valid = as_bool_mask("mask", mask, "mask", mask)
+    if not isinstance(truncated, Tensor) or truncated.dtype != torch.bool:
+        got = truncated.dtype if isinstance(truncated, Tensor) else type(truncated).__name__
+        raise TypeError(f"truncated must be a bool tensor [batch], got {got}")
+    if truncated.shape != mask.shape[:1]:
+        raise ValueError(
+            f"truncated must have shape [batch]=[{mask.shape[0]}] to match mask "
+            f"{shape_str(mask)}, got {shape_str(truncated)}"
+        )
+    return valid & ~rearrange(truncated, "batch -> batch 1")

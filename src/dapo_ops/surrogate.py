@@ -1,0 +1,136 @@
+"""Clip-Higher PPO surrogate (DAPO change 1), with optional dual clip."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from einops import rearrange
+from jaxtyping import Bool, Float, Integer
+from torch import Tensor
+
+from dapo_ops._validate import (
+    as_bool_mask,
+    check_clip_range,
+    check_float,
+    check_ndim,
+    check_same_shape,
+    shape_str,
+)
+
+#: The log-ratio is clamped to +-LOG_RATIO_CLAMP before ``exp``: the ratio then lies in
+#: [2e-9, 4.9e8] and can never overflow to inf, even in float16 inputs (verl uses 20 too).
+LOG_RATIO_CLAMP = 20.0
+
+
+def compute_dtype(*tensors: Tensor) -> torch.dtype:
+    """float32, or float64 when any input is float64 (never a downcast)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+class TokenTerms(NamedTuple):
+    """Per-token quantities shared by the surrogate and the diagnostics."""
+
+    valid: Bool[Tensor, "batch seq"]
+    log_ratio: Float[Tensor, "batch seq"]  # clamped, 0 at masked positions
+    ratio: Float[Tensor, "batch seq"]  # exp(log_ratio), 1 at masked positions
+    advantages: Float[Tensor, "batch seq"]  # broadcast, 0 at masked positions
+
+
+def token_terms(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor | None,
+    *,
+    log_ratio_clamp: float = LOG_RATIO_CLAMP,
+) -> TokenTerms:
+    """Check inputs, broadcast advantages and build the masked, clamped token ratio."""
+    check_float("logp", logp)
+    check_float("old_logp", old_logp)
+    check_float("advantages", advantages)
+    check_ndim("logp", logp, 2, "[batch, seq]")
+    check_same_shape("old_logp", old_logp, "logp", logp)
+    batch, seq = logp.shape
+    if advantages.ndim == 1 and advantages.shape[0] == batch:
+        adv = rearrange(advantages, "batch -> batch 1")
+    elif advantages.ndim == 2 and advantages.shape[0] == batch and advantages.shape[1] in (1, seq):
+        adv = advantages
+    else:
+        raise ValueError(
+            f"advantages must have shape [batch]=[{batch}], [batch, 1]=[{batch}, 1] or "
+            f"[batch, seq]=[{batch}, {seq}] to match logp {shape_str(logp)}; "
+            f"got {shape_str(advantages)}"
+        )
+    if not log_ratio_clamp > 0:
+        raise ValueError(f"log_ratio_clamp must be > 0, got {log_ratio_clamp}")
+    dtype = compute_dtype(logp, old_logp, advantages)
+    if mask is None:
+        valid = torch.ones_like(logp, dtype=torch.bool)
+    else:
+        valid = as_bool_mask("mask", mask, "logp", logp)
+    zero = logp.new_zeros((), dtype=dtype)
+    # `where`, never a multiplication: NaN/inf at masked positions must not reach the
+    # forward value or, through 0 * inf, the gradient.
+    log_ratio = torch.where(valid, logp.to(dtype) - old_logp.to(dtype), zero)
+    log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)
+    adv_full = torch.where(valid, adv.to(dtype), zero)
+    return TokenTerms(valid, log_ratio, torch.exp(log_ratio), adv_full)
+
+
+def clip_higher_surrogate(
+    logp: Float[Tensor, "batch seq"],
+    old_logp: Float[Tensor, "batch seq"],
+    advantages: Float[Tensor, " batch"] | Float[Tensor, "batch 1"] | Float[Tensor, "batch seq"],
+    mask: Bool[Tensor, "batch seq"] | Integer[Tensor, "batch seq"] | None = None,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    dual_clip: float | None = None,
+    log_ratio_clamp: float = LOG_RATIO_CLAMP,
+) -> Float[Tensor, "batch seq"]:
+    r"""Per-token Clip-Higher PPO loss (to be minimised).
+
+    .. math::
+
+        r_{i,t} = \exp(\log\pi_\theta - \log\pi_{old}),\qquad
+        \ell_{i,t} = -\min\big(r_{i,t} A_{i,t},\;
+                     \mathrm{clip}(r_{i,t}, 1-\varepsilon_{low}, 1+\varepsilon_{high}) A_{i,t}\big)
+
+    With ``dual_clip = c`` (dual-clip PPO, Ye et al. 2020), tokens with ``A < 0`` use
+    ``min(ell, -c A)``: the loss of a negative-advantage token whose ratio exploded is
+    capped at ``c |A|``, and its gradient is 0 beyond ``r > c``.
+
+    Where the clip is active the token's gradient is exactly 0: ``A > 0`` and
+    ``r > 1 + eps_high``, or ``A < 0`` and ``r < 1 - eps_low`` (and ``r > c`` with dual clip).
+
+    Shapes:
+        logp, old_logp: ``[batch, seq]`` log-probs of the sampled tokens under the current
+        and the behaviour (old) policy. advantages: ``[batch]`` or ``[batch, 1]`` (one per
+        sequence) or ``[batch, seq]`` (per token). A 1-D advantage is always per sequence.
+        mask: ``[batch, seq]``, True on response tokens; bool or 0/1 integers.
+        Returns ``[batch, seq]``, 0 at masked positions (whatever they hold, NaN included).
+
+    Dtypes: computed in float32 (float64 if any input is float64); the gradient reaches
+    ``logp`` in its own dtype. The log-ratio is clamped to ``+-log_ratio_clamp`` before
+    ``exp`` so the ratio is always finite.
+
+    Defaults: ``eps_low=0.2`` and ``eps_high=0.28`` are DAPO's (Yu et al. 2025, sec. 3.1);
+    ``dual_clip`` is off (verl's ``clip_ratio_c`` is 3.0); the clamp of 20 is verl's.
+
+    Example:
+        >>> logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+        >>> old = torch.tensor([[-1.0, -2.5]])
+        >>> clip_higher_surrogate(logp, old, torch.tensor([1.0]))  # second ratio clipped at 1.28
+        tensor([[-1.0000, -1.2800]], grad_fn=<WhereBackward0>)
+    """
+    check_clip_range(eps_low, eps_high, dual_clip)
+    valid, _, ratio, adv = token_terms(
+        logp, old_logp, advantages, mask, log_ratio_clamp=log_ratio_clamp
+    )
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    loss = torch.maximum(unclipped, clipped)
+    if dual_clip is not None:
+        loss = torch.where(adv < 0, torch.minimum(loss, -adv * dual_clip), loss)
+    return torch.where(valid, loss, torch.zeros_like(loss))
