@@ -1,0 +1,46 @@
+"""Shared test set-up: hypothesis profiles and the torch.compile helper.
+
+Every annotation of dapo_ops is checked at run time in this suite: pyproject's pytest
+``addopts`` passes ``--jaxtyping-packages=dapo_ops,beartype.beartype(...)`` (beartype with the PEP 484
+numeric tower, so an int is accepted where a float is annotated).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import jaxtyping
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    max_examples=40,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "dev", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile("thorough", max_examples=1000, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture
+def no_runtime_typecheck() -> Iterator[None]:
+    """Turn the jaxtyping/beartype wrappers into plain calls (for torch.compile tracing).
+
+    Dynamo cannot trace beartype's checking code, so compiled-graph tests switch the
+    runtime checker off while they run; the eager tests keep it on.
+    """
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        yield
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", False)
