@@ -6,6 +6,7 @@ defaults. Import what you need::
     from dapo_ops import token_level_loss, group_advantages, global_normalizer
 """
 
+from dapo_ops._validate import InputError
 from dapo_ops.advantages import group_advantages
 from dapo_ops.aggregation import PartialLoss, aggregate_partial, token_level_aggregate
 from dapo_ops.diagnostics import PolicyDiagnostics, policy_diagnostics
@@ -18,6 +19,7 @@ from dapo_ops.surrogate import clip_higher_surrogate
 __version__ = "0.1.0"
 
 __all__ = [
+    "InputError",
     "PartialLoss",
     "PolicyDiagnostics",
     "aggregate_partial",

@@ -15,7 +15,7 @@ import torch
 from einops import rearrange, repeat
 from torch import Tensor
 
-from dapo_ops._validate import check_ndim, shape_str
+from dapo_ops._validate import InputError, check_ndim, shape_str
 
 
 class Segments(NamedTuple):
@@ -29,7 +29,7 @@ def segments(name: str, values: Tensor, group_ids: Tensor | None) -> Segments:
     """Flatten ``values`` and give each entry the index of its group."""
     if group_ids is None:
         if values.ndim != 2:
-            raise ValueError(
+            raise InputError(
                 f"{name} must have shape [groups, samples], or [batch] together with "
                 f"group_ids [batch]; got {shape_str(values)} and no group_ids"
             )
@@ -42,10 +42,10 @@ def segments(name: str, values: Tensor, group_ids: Tensor | None) -> Segments:
         flat = rearrange(values, "groups samples -> (groups samples)")
         return Segments(flat, index, max(groups, 1), (groups, samples))
     if not isinstance(group_ids, Tensor):
-        raise TypeError(f"group_ids must be a torch.Tensor, got {type(group_ids).__name__}")
+        raise InputError(f"group_ids must be a torch.Tensor, got {type(group_ids).__name__}")
     check_ndim(name, values, 1, "[batch] when group_ids is given")
     if group_ids.shape != values.shape:
-        raise ValueError(
+        raise InputError(
             f"group_ids has shape {shape_str(group_ids)} but {name} has shape "
             f"{shape_str(values)}; they must match"
         )
@@ -54,7 +54,7 @@ def segments(name: str, values: Tensor, group_ids: Tensor | None) -> Segments:
         or group_ids.dtype.is_complex
         or group_ids.dtype == torch.bool
     ):
-        raise TypeError(f"group_ids must be an integer tensor, got {group_ids.dtype}")
+        raise InputError(f"group_ids must be an integer tensor, got {group_ids.dtype}")
     batch = values.shape[0]
     order = torch.sort(group_ids, stable=True).indices
     sorted_ids = group_ids[order]

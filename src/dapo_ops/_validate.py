@@ -11,6 +11,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+
+class InputError(ValueError, TypeError):
+    """Bad input to a dapo_ops function: wrong shape, dtype, option or value.
+
+    A subclass of both ``ValueError`` and ``TypeError``, so a caller's existing handler for
+    either catches it. The message names the argument and, for shapes, the shapes involved.
+    """
+
+
 MASK_DTYPES_DOC = "torch.bool or an integer dtype holding 0/1 (uint8, int8, int16, int32, int64)"
 
 
@@ -20,9 +29,9 @@ def shape_str(t: Tensor) -> str:
 
 def check_float(name: str, t: Tensor) -> None:
     if not isinstance(t, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if not t.dtype.is_floating_point:
-        raise TypeError(
+        raise InputError(
             f"{name} must be a floating-point tensor (float16, bfloat16, float32 or float64), "
             f"got {t.dtype}"
         )
@@ -30,12 +39,12 @@ def check_float(name: str, t: Tensor) -> None:
 
 def check_ndim(name: str, t: Tensor, ndim: int, layout: str) -> None:
     if t.ndim != ndim:
-        raise ValueError(f"{name} must have shape {layout}, got {shape_str(t)}")
+        raise InputError(f"{name} must have shape {layout}, got {shape_str(t)}")
 
 
 def check_same_shape(name: str, t: Tensor, ref_name: str, ref: Tensor) -> None:
     if t.shape != ref.shape:
-        raise ValueError(
+        raise InputError(
             f"{name} has shape {shape_str(t)} but {ref_name} has shape {shape_str(ref)}; "
             "they must match exactly (no broadcasting)"
         )
@@ -44,12 +53,12 @@ def check_same_shape(name: str, t: Tensor, ref_name: str, ref: Tensor) -> None:
 def as_bool_mask(name: str, mask: Tensor, ref_name: str, ref: Tensor) -> Tensor:
     """Return ``mask`` as a bool tensor after checking its dtype and shape."""
     if not isinstance(mask, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
+        raise InputError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
     check_same_shape(name, mask, ref_name, ref)
     if mask.dtype == torch.bool:
         return mask
     if mask.dtype.is_floating_point or mask.dtype.is_complex:
-        raise TypeError(
+        raise InputError(
             f"{name} must be {MASK_DTYPES_DOC}, got {mask.dtype}; a float mask is refused "
             "because it could carry weights: convert a 0/1 float mask with `mask.bool()`"
         )
@@ -58,16 +67,16 @@ def as_bool_mask(name: str, mask: Tensor, ref_name: str, ref: Tensor) -> Tensor:
 
 def check_option(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+        raise InputError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
 
 
 def check_clip_range(eps_low: float, eps_high: float, dual_clip: float | None) -> None:
     if not 0.0 <= eps_low < 1.0:
-        raise ValueError(f"eps_low must lie in [0, 1), got {eps_low}")
+        raise InputError(f"eps_low must lie in [0, 1), got {eps_low}")
     if not eps_high >= 0.0:
-        raise ValueError(f"eps_high must be >= 0, got {eps_high}")
+        raise InputError(f"eps_high must be >= 0, got {eps_high}")
     if dual_clip is not None and not dual_clip > 1.0:
-        raise ValueError(f"dual_clip must be > 1 (or None to disable it), got {dual_clip}")
+        raise InputError(f"dual_clip must be > 1 (or None to disable it), got {dual_clip}")
 
 
 def is_compiling() -> bool:
@@ -80,4 +89,4 @@ def check_finite(name: str, t: Tensor) -> None:
         return
     if not bool(torch.isfinite(t).all()):
         bad = int((~torch.isfinite(t)).sum())
-        raise ValueError(f"{name} must be finite; {bad} of {t.numel()} entries are NaN or inf")
+        raise InputError(f"{name} must be finite; {bad} of {t.numel()} entries are NaN or inf")

@@ -9,7 +9,7 @@ from jaxtyping import Float, Integer
 from torch import Tensor
 
 from dapo_ops._groups import restore, segment_count, segment_reduce, segment_sum, segments
-from dapo_ops._validate import check_finite, check_float, check_option
+from dapo_ops._validate import InputError, check_finite, check_float, check_option
 from dapo_ops.aggregation import safe_divide
 
 #: A group (or batch) whose reward std is at most this fraction of its largest |reward| is
@@ -70,7 +70,7 @@ def group_advantages(
     check_option("scale", scale, ("group", "batch", "none"))
     check_option("baseline", baseline, ("mean", "leave_one_out"))
     if not (eps >= 0.0 and eps < float("inf")):
-        raise ValueError(f"eps must be finite and >= 0, got {eps}")
+        raise InputError(f"eps must be finite and >= 0, got {eps}")
     seg = segments("rewards", rewards, group_ids)
     check_finite("rewards", rewards)
     out_dtype = torch.float64 if rewards.dtype == torch.float64 else torch.float32

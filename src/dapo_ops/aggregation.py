@@ -8,7 +8,7 @@ import torch
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
-from dapo_ops._validate import as_bool_mask, check_float, check_ndim, check_option
+from dapo_ops._validate import InputError, as_bool_mask, check_float, check_ndim, check_option
 
 AggregationMode = Literal[
     "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
@@ -90,7 +90,7 @@ def aggregate_partial(
     valid = as_bool_mask("mask", mask, "per_token_loss", per_token_loss)
     check_option("mode", mode, AGGREGATION_MODES)
     if max_len is not None and not max_len > 0:
-        raise ValueError(f"max_len must be > 0, got {max_len}")
+        raise InputError(f"max_len must be > 0, got {max_len}")
     dtype = torch.float64 if per_token_loss.dtype == torch.float64 else torch.float32
     loss = torch.where(valid, per_token_loss.to(dtype), per_token_loss.new_zeros((), dtype=dtype))
     if mode == "token_mean":
@@ -155,7 +155,7 @@ def token_level_aggregate(
     part = aggregate_partial(per_token_loss, mask, mode=mode, max_len=max_len)
     if normalizer is None or isinstance(normalizer, str):
         if isinstance(normalizer, str) and normalizer != "local":
-            raise ValueError(
+            raise InputError(
                 f"normalizer must be a number, a 0-dim tensor, None or 'local'; got {normalizer!r}"
             )
         if normalizer is None:
@@ -163,22 +163,22 @@ def token_level_aggregate(
         return safe_divide(part.numerator, part.denominator)
     if isinstance(normalizer, Tensor):
         if normalizer.ndim != 0:
-            raise ValueError(
+            raise InputError(
                 f"normalizer must be a 0-dim tensor, got shape {list(normalizer.shape)}"
             )
         if normalizer.is_complex() or normalizer.dtype == torch.bool:
-            raise TypeError(f"normalizer must be a real number, got dtype {normalizer.dtype}")
+            raise InputError(f"normalizer must be a real number, got dtype {normalizer.dtype}")
     elif isinstance(normalizer, bool) or not isinstance(normalizer, (int, float)):
-        raise TypeError(f"normalizer must be a number or a 0-dim tensor, got {normalizer!r}")
+        raise InputError(f"normalizer must be a number or a 0-dim tensor, got {normalizer!r}")
     elif not normalizer > 0:
-        raise ValueError(f"normalizer must be > 0, got {normalizer}")
+        raise InputError(f"normalizer must be > 0, got {normalizer}")
     return safe_divide(part.numerator, normalizer)
 
 
 def _refuse_local_count_under_distributed() -> None:
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise ValueError(
+        raise InputError(
             "normalizer=None under torch.distributed with world size "
             f"{dist.get_world_size()} would divide by this rank's own count and change the "
             "objective; pass normalizer=dapo_ops.global_normalizer(masks, mode=...) or, to "

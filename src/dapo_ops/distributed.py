@@ -9,7 +9,7 @@ import torch
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
-from dapo_ops._validate import as_bool_mask, check_ndim, check_option
+from dapo_ops._validate import InputError, as_bool_mask, check_ndim, check_option
 from dapo_ops.aggregation import AGGREGATION_MODES, AggregationMode
 
 MaskLike = Bool[Tensor, "_batch _seq"] | Integer[Tensor, "_batch _seq"]
@@ -57,12 +57,12 @@ def global_normalizer(
     check_option("mode", mode, AGGREGATION_MODES)
     mask_list = [masks] if isinstance(masks, Tensor) else list(masks)
     if not mask_list:
-        raise ValueError("masks must hold at least one [batch, seq] mask")
+        raise InputError("masks must hold at least one [batch, seq] mask")
     counts = []
     for k, mask in enumerate(mask_list):
         name = f"masks[{k}]" if not isinstance(masks, Tensor) else "masks"
         if not isinstance(mask, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
+            raise InputError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
         check_ndim(name, mask, 2, "[batch, seq]")
         valid = as_bool_mask(name, mask, name, mask)
         if mode == "token_mean":

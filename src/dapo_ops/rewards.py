@@ -9,7 +9,14 @@ from einops import rearrange
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
-from dapo_ops._validate import as_bool_mask, check_finite, check_ndim, is_compiling, shape_str
+from dapo_ops._validate import (
+    InputError,
+    as_bool_mask,
+    check_finite,
+    check_ndim,
+    is_compiling,
+    shape_str,
+)
 
 
 def overlong_reward(
@@ -48,23 +55,23 @@ def overlong_reward(
         tensor([ 0.0000,  0.0000, -0.5000, -1.0000, -1.0000])
     """
     if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len <= 0:
-        raise ValueError(f"max_len must be a positive int, got {max_len!r}")
+        raise InputError(f"max_len must be a positive int, got {max_len!r}")
     if isinstance(cache_len, bool) or not isinstance(cache_len, int):
-        raise ValueError(f"cache_len must be an int, got {cache_len!r}")
+        raise InputError(f"cache_len must be an int, got {cache_len!r}")
     if not 0 < cache_len <= max_len:
-        raise ValueError(
+        raise InputError(
             f"cache_len must satisfy 0 < cache_len <= max_len={max_len}, got {cache_len}"
         )
     if not (math.isfinite(factor) and factor >= 0):
-        raise ValueError(f"factor must be finite and >= 0, got {factor}")
+        raise InputError(f"factor must be finite and >= 0, got {factor}")
     if not isinstance(lengths, Tensor):
-        raise TypeError(f"lengths must be a torch.Tensor, got {type(lengths).__name__}")
+        raise InputError(f"lengths must be a torch.Tensor, got {type(lengths).__name__}")
     check_ndim("lengths", lengths, 1, "[batch]")
     if lengths.dtype == torch.bool or lengths.dtype.is_complex:
-        raise TypeError(f"lengths must hold integer or float token counts, got {lengths.dtype}")
+        raise InputError(f"lengths must hold integer or float token counts, got {lengths.dtype}")
     check_finite("lengths", lengths)
     if not is_compiling() and bool((lengths < 0).any()):
-        raise ValueError(f"lengths must be >= 0, got min {lengths.min().item()}")
+        raise InputError(f"lengths must be >= 0, got min {lengths.min().item()}")
     dtype = torch.float64 if lengths.dtype == torch.float64 else torch.float32
     expected = max_len - cache_len
     penalty = (expected - lengths.to(dtype)) / cache_len
@@ -97,14 +104,14 @@ def overlong_filter(
                 [False, False, False]])
     """
     if not isinstance(mask, Tensor):
-        raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
+        raise InputError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
     check_ndim("mask", mask, 2, "[batch, seq]")
     valid = as_bool_mask("mask", mask, "mask", mask)
     if not isinstance(truncated, Tensor) or truncated.dtype != torch.bool:
         got = truncated.dtype if isinstance(truncated, Tensor) else type(truncated).__name__
-        raise TypeError(f"truncated must be a bool tensor [batch], got {got}")
+        raise InputError(f"truncated must be a bool tensor [batch], got {got}")
     if truncated.shape != mask.shape[:1]:
-        raise ValueError(
+        raise InputError(
             f"truncated must have shape [batch]=[{mask.shape[0]}] to match mask "
             f"{shape_str(mask)}, got {shape_str(truncated)}"
         )

@@ -9,7 +9,7 @@ from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
 from dapo_ops._groups import segment_count, segment_reduce, segments
-from dapo_ops._validate import check_finite
+from dapo_ops._validate import InputError, check_finite
 
 
 def dynamic_sample_mask(
@@ -56,11 +56,11 @@ def dynamic_sample_mask(
         tensor([ True, False, False])
     """
     if not isinstance(metric, Tensor):
-        raise TypeError(f"metric must be a torch.Tensor, got {type(metric).__name__}")
+        raise InputError(f"metric must be a torch.Tensor, got {type(metric).__name__}")
     if metric.dtype.is_complex:
-        raise TypeError(f"metric must be real, got {metric.dtype}")
+        raise InputError(f"metric must be real, got {metric.dtype}")
     if not (atol >= 0.0 and math.isfinite(atol)):
-        raise ValueError(f"atol must be finite and >= 0, got {atol}")
+        raise InputError(f"atol must be finite and >= 0, got {atol}")
     seg = segments("metric", metric, group_ids)
     values = seg.values.to(torch.float64)
     check_finite("metric", values)
@@ -85,7 +85,7 @@ def kept_group_fraction(
         tensor(0.5000)
     """
     if not isinstance(keep, Tensor) or keep.dtype != torch.bool or keep.ndim != 1:
-        raise TypeError("keep must be the 1-D bool tensor returned by dynamic_sample_mask")
+        raise InputError("keep must be the 1-D bool tensor returned by dynamic_sample_mask")
     if group_ids is None:
         return keep.float().mean() if keep.numel() else keep.new_zeros((), dtype=torch.float32)
     seg = segments("keep", keep, group_ids)
@@ -111,11 +111,11 @@ def prompts_to_generate(
         240
     """
     if groups_needed < 0:
-        raise ValueError(f"groups_needed must be >= 0, got {groups_needed}")
+        raise InputError(f"groups_needed must be >= 0, got {groups_needed}")
     if not 0.0 <= kept_fraction <= 1.0:
-        raise ValueError(f"kept_fraction must lie in [0, 1], got {kept_fraction}")
+        raise InputError(f"kept_fraction must lie in [0, 1], got {kept_fraction}")
     if not 0.0 < min_fraction <= 1.0:
-        raise ValueError(f"min_fraction must lie in (0, 1], got {min_fraction}")
+        raise InputError(f"min_fraction must lie in (0, 1], got {min_fraction}")
     if max_prompts < 1:
-        raise ValueError(f"max_prompts must be >= 1, got {max_prompts}")
+        raise InputError(f"max_prompts must be >= 1, got {max_prompts}")
     return min(math.ceil(groups_needed / max(kept_fraction, min_fraction)), max_prompts)

@@ -10,6 +10,7 @@ from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
 from dapo_ops._validate import (
+    InputError,
     as_bool_mask,
     check_clip_range,
     check_float,
@@ -57,13 +58,13 @@ def token_terms(
     elif advantages.ndim == 2 and advantages.shape[0] == batch and advantages.shape[1] in (1, seq):
         adv = advantages
     else:
-        raise ValueError(
+        raise InputError(
             f"advantages must have shape [batch]=[{batch}], [batch, 1]=[{batch}, 1] or "
             f"[batch, seq]=[{batch}, {seq}] to match logp {shape_str(logp)}; "
             f"got {shape_str(advantages)}"
         )
     if not log_ratio_clamp > 0:
-        raise ValueError(f"log_ratio_clamp must be > 0, got {log_ratio_clamp}")
+        raise InputError(f"log_ratio_clamp must be > 0, got {log_ratio_clamp}")
     dtype = compute_dtype(logp, old_logp, advantages)
     if mask is None:
         valid = torch.ones_like(logp, dtype=torch.bool)

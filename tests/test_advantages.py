@@ -1,0 +1,140 @@
+"""group_advantages: invariances, zero-sum groups, boundary groups, ragged layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dapo_ops import group_advantages
+
+
+@st.composite
+def reward_groups(draw: st.DrawFn) -> torch.Tensor:
+    groups = draw(st.integers(1, 6))
+    samples = draw(st.integers(1, 9))
+    seed = draw(st.integers(0, 2**31 - 1))
+    kind = draw(st.sampled_from(["binary", "normal", "ties"]))
+    g = torch.Generator().manual_seed(seed)
+    if kind == "binary":
+        return torch.randint(0, 2, (groups, samples), generator=g).float()
+    if kind == "ties":
+        return torch.randint(-2, 3, (groups, samples), generator=g).float() * 0.1
+    return torch.randn(groups, samples, generator=g)
+
+
+def loop_reference(
+    rewards: torch.Tensor, ids: list[int], *, scale: str, baseline: str
+) -> torch.Tensor:
+    """Per-group Python loop over a uid list, in float64: the definition."""
+    out = torch.zeros(len(ids), dtype=torch.float64)
+    r = rewards.double()
+    batch_std = r.std() if r.numel() > 1 else torch.tensor(0.0, dtype=torch.float64)
+    for gid in set(ids):
+        idx = torch.tensor([i for i, x in enumerate(ids) if x == gid])
+        x = r[idx]
+        n = len(idx)
+        if n < 2 or bool((x == x[0]).all()):
+            continue
+        if baseline == "mean":
+            res = x - x.mean()
+        else:
+            res = torch.stack([x[i] - (x.sum() - x[i]) / (n - 1) for i in range(n)])
+        if scale == "group":
+            res = res / x.std()
+        elif scale == "batch":
+            res = res / batch_std
+        out[idx] = res
+    return out
+
+
+@given(
+    reward_groups(),
+    st.floats(0.01, 100.0),
+    st.floats(-100.0, 100.0),
+    st.sampled_from(["group", "batch"]),
+)
+def test_invariant_to_affine_rewards(r: torch.Tensor, a: float, b: float, scale: str) -> None:
+    r64 = r.double()
+    base = group_advantages(r64, scale=scale)  # type: ignore[arg-type]
+    moved = group_advantages(r64 * a + b, scale=scale)  # type: ignore[arg-type]
+    torch.testing.assert_close(moved, base, rtol=1e-6, atol=1e-6)
+
+
+@given(
+    reward_groups(),
+    st.sampled_from(["group", "batch", "none"]),
+    st.sampled_from(["mean", "leave_one_out"]),
+)
+def test_groups_sum_to_zero_and_match_loop(r: torch.Tensor, scale: str, baseline: str) -> None:
+    adv = group_advantages(r, scale=scale, baseline=baseline)  # type: ignore[arg-type]
+    assert adv.shape == r.shape and adv.dtype == torch.float32
+    assert bool(torch.isfinite(adv).all())
+    torch.testing.assert_close(adv.sum(dim=1), torch.zeros(r.shape[0]), atol=1e-5, rtol=0)
+    ids = [g for g in range(r.shape[0]) for _ in range(r.shape[1])]
+    want = loop_reference(r.flatten(), ids, scale=scale, baseline=baseline).view_as(r)
+    torch.testing.assert_close(adv.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@given(st.integers(1, 40), st.integers(1, 8), st.integers(0, 2**31 - 1))
+def test_ragged_flat_layout_matches_loop(batch: int, max_id: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, max_id, (batch,), generator=g) * 7 - 3  # non-contiguous, negative too
+    rewards = torch.randint(0, 3, (batch,), generator=g).float()
+    adv = group_advantages(rewards, ids)
+    want = loop_reference(rewards, ids.tolist(), scale="group", baseline="mean")
+    torch.testing.assert_close(adv.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_dense_and_flat_layouts_agree_under_permutation() -> None:
+    r = torch.randn(5, 4)
+    dense = group_advantages(r)
+    ids = torch.arange(5).repeat_interleave(4)
+    perm = torch.randperm(20, generator=torch.Generator().manual_seed(0))
+    flat = group_advantages(r.flatten()[perm], ids[perm])
+    torch.testing.assert_close(flat, dense.flatten()[perm])
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+@pytest.mark.parametrize("baseline", ["mean", "leave_one_out"])
+def test_singleton_and_constant_groups_are_zero(scale: str, baseline: str) -> None:
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.7])
+    ids = torch.tensor([4, 4, 4, 9, 2, 2])
+    adv = group_advantages(rewards, ids, scale=scale, baseline=baseline)  # type: ignore[arg-type]
+    assert adv[:4].tolist() == [0.0, 0.0, 0.0, 0.0]
+    assert adv[4] > 0 > adv[5]
+    assert group_advantages(torch.tensor([[3.0]]), scale=scale).item() == 0.0  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", [0.1, 1000.1, -3.3e5, 1e-30])
+def test_float_rounding_spread_does_not_blow_up(value: float) -> None:
+    # 16 copies of a value that float32 arithmetic does not sum exactly, plus rewards
+    # that differ by one float32 ulp: no real spread, so advantages must be 0
+    r = torch.full((2, 16), value, dtype=torch.float32)
+    r[1, ::2] = torch.nextafter(r[1, ::2], torch.tensor(float("inf")))
+    for eps in (0.0, 1e-6):
+        adv = group_advantages(r, eps=eps)
+        assert bool((adv == 0).all()), adv
+
+
+def test_real_small_spread_is_kept() -> None:
+    adv = group_advantages(torch.tensor([[0.0, 1e-3, 0.0, 1e-3]]))
+    torch.testing.assert_close(adv, torch.tensor([[-0.8660254, 0.8660254, -0.8660254, 0.8660254]]))
+
+
+def test_peer_eps_reproduces_std_plus_eps() -> None:
+    r = torch.tensor([[1.0, 0.0, 0.0]])
+    for eps in (1e-6, 1e-4):
+        want = (r - r.mean()) / (r.std() + eps)
+        torch.testing.assert_close(group_advantages(r, eps=eps), want)
+    biased = (r - r.mean()) / r.std(unbiased=False)
+    torch.testing.assert_close(group_advantages(r, unbiased=False), biased)
+
+
+def test_inputs_not_modified_and_low_precision_inputs() -> None:
+    r = torch.tensor([[1.0, 0.0, 0.5, 0.0]], dtype=torch.bfloat16)
+    before = r.clone()
+    adv = group_advantages(r)
+    assert torch.equal(r, before) and adv.dtype == torch.float32
+    torch.testing.assert_close(adv, group_advantages(r.float()))
