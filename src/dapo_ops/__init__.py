@@ -9,9 +9,19 @@ defaults. Import what you need::
 from dapo_ops._validate import InputError
 from dapo_ops.advantages import group_advantages
 from dapo_ops.aggregation import PartialLoss, aggregate_partial, token_level_aggregate
-from dapo_ops.diagnostics import PolicyDiagnostics, policy_diagnostics
+from dapo_ops.cispo import cispo_surrogate
+from dapo_ops.diagnostics import (
+    BatchDiagnostics,
+    PolicyDiagnostics,
+    batch_diagnostics,
+    policy_diagnostics,
+)
 from dapo_ops.distributed import global_normalizer
+from dapo_ops.gspo import gspo_sequence_ratio, gspo_surrogate
+from dapo_ops.importance import truncated_is_weights
+from dapo_ops.kl import kl_penalty
 from dapo_ops.loss import token_level_loss
+from dapo_ops.presets import CISPO, DAPO, DR_GRPO, GRPO, GSPO, PRESETS, ObjectivePreset
 from dapo_ops.rewards import overlong_filter, overlong_reward
 from dapo_ops.sampling import dynamic_sample_mask, kept_group_fraction, prompts_to_generate
 from dapo_ops.surrogate import clip_higher_surrogate
@@ -19,19 +29,33 @@ from dapo_ops.surrogate import clip_higher_surrogate
 __version__ = "0.1.0"
 
 __all__ = [
+    "CISPO",
+    "DAPO",
+    "DR_GRPO",
+    "GRPO",
+    "GSPO",
+    "PRESETS",
+    "BatchDiagnostics",
     "InputError",
+    "ObjectivePreset",
     "PartialLoss",
     "PolicyDiagnostics",
     "aggregate_partial",
+    "batch_diagnostics",
+    "cispo_surrogate",
     "clip_higher_surrogate",
     "dynamic_sample_mask",
     "global_normalizer",
     "group_advantages",
+    "gspo_sequence_ratio",
+    "gspo_surrogate",
     "kept_group_fraction",
+    "kl_penalty",
     "overlong_filter",
     "overlong_reward",
     "policy_diagnostics",
     "prompts_to_generate",
     "token_level_aggregate",
     "token_level_loss",
+    "truncated_is_weights",
 ]

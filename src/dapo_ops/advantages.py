@@ -25,6 +25,7 @@ def group_advantages(
     baseline: Literal["mean", "leave_one_out"] = "mean",
     eps: float = 0.0,
     unbiased: bool = True,
+    singleton: Literal["zero", "score"] = "zero",
 ) -> Float[Tensor, "groups samples"] | Float[Tensor, " batch"]:
     r"""Advantage of every sample relative to the other samples of its prompt's group.
 
@@ -54,8 +55,9 @@ def group_advantages(
     exactly invariant to ``rewards * a + b`` for ``a > 0``.
 
     Differences from peers (see docs/advantages.md): verl adds ``eps=1e-6`` to the
-    unbiased std and gives a one-sample group its raw score as advantage (we give 0);
-    TRL adds ``1e-4``; both accumulate in float32. Pass ``eps`` to reproduce them.
+    unbiased std and gives a one-sample group its raw score as advantage (we give 0;
+    ``singleton="score"`` reproduces verl: ``R / (1 + eps)``); TRL adds ``1e-4``;
+    OpenRLHF ``1e-9``; all accumulate in float32. Pass ``eps`` to reproduce them.
 
     Dtypes: float32 output (float64 for float64 input). Non-finite rewards raise.
 
@@ -69,6 +71,7 @@ def group_advantages(
     check_float("rewards", rewards)
     check_option("scale", scale, ("group", "batch", "none"))
     check_option("baseline", baseline, ("mean", "leave_one_out"))
+    check_option("singleton", singleton, ("zero", "score"))
     if not (eps >= 0.0 and eps < float("inf")):
         raise InputError(f"eps must be finite and >= 0, got {eps}")
     seg = segments("rewards", rewards, group_ids)
@@ -83,13 +86,21 @@ def group_advantages(
     group_var = segment_sum(seg, centered * centered) / dof.clamp(min=1)
     group_std = group_var.sqrt()
     max_abs = segment_reduce(seg, x.abs(), "amax")
+    single = count == 1
     degenerate = (count < 2) | (group_std <= ZERO_STD_RTOL * max_abs)
+    if singleton == "score":  # verl: a lone sample has mean 0 and std 1
+        degenerate = degenerate & ~single
+        group_std = torch.where(single, torch.ones_like(group_std), group_std)
 
     if baseline == "mean":
         residual = centered
+        if singleton == "score":
+            residual = torch.where(single[seg.segment], x, residual)
     else:  # R_i - mean_{j != i} R_j = n / (n - 1) * (R_i - mean); exact 0 for equal rewards
         n = count[seg.segment]
         residual = centered * (n / (n - 1).clamp(min=1))
+        if singleton == "score":
+            residual = torch.where(single[seg.segment], x, residual)
 
     if scale == "group":
         advantages = safe_divide(residual, group_std[seg.segment] + eps)

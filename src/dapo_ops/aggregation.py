@@ -39,6 +39,12 @@ class PartialLoss(NamedTuple):
             return NotImplemented
         return PartialLoss(self.numerator + other.numerator, self.denominator + other.denominator)
 
+    def __radd__(self, other: object) -> PartialLoss:
+        """Lets ``sum(parts)`` start from Python's 0."""
+        if isinstance(other, int) and other == 0:
+            return self
+        return NotImplemented
+
     def value(self) -> Float[Tensor, ""]:
         """``numerator / denominator``; 0 (not NaN) when the denominator is 0."""
         return safe_divide(self.numerator, self.denominator)

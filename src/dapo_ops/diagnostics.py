@@ -8,8 +8,9 @@ import torch
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
-from dapo_ops._validate import check_clip_range
+from dapo_ops._validate import InputError, check_clip_range, check_float, check_same_shape
 from dapo_ops.aggregation import safe_divide
+from dapo_ops.sampling import kept_group_counts
 from dapo_ops.surrogate import LOG_RATIO_CLAMP, token_terms
 
 
@@ -30,6 +31,8 @@ class PolicyDiagnostics(NamedTuple):
     ratio_min: Float[Tensor, ""]  # +inf when no valid token
     ratio_max: Float[Tensor, ""]  # -inf when no valid token
     approx_kl_sum: Float[Tensor, ""]  # k3 estimate of KL(old || new), summed
+    entropy_sum: Float[Tensor, ""]  # per-token policy entropy, summed (0 if not given)
+    entropy_tokens: Float[Tensor, ""]  # tokens whose entropy was given (0 if not given)
 
     def __add__(self, other: object) -> PolicyDiagnostics:  # type: ignore[override]
         if not isinstance(other, PolicyDiagnostics):
@@ -43,6 +46,8 @@ class PolicyDiagnostics(NamedTuple):
             ratio_min=torch.minimum(self.ratio_min, other.ratio_min),
             ratio_max=torch.maximum(self.ratio_max, other.ratio_max),
             approx_kl_sum=self.approx_kl_sum + other.approx_kl_sum,
+            entropy_sum=self.entropy_sum + other.entropy_sum,
+            entropy_tokens=self.entropy_tokens + other.entropy_tokens,
         )
 
     def all_reduce(self, group: object | None = None) -> PolicyDiagnostics:
@@ -58,12 +63,14 @@ class PolicyDiagnostics(NamedTuple):
                 self.clipped_dual,
                 self.ratio_sum,
                 self.approx_kl_sum,
+                self.entropy_sum,
+                self.entropy_tokens,
             ]
         )
         lo_neg_hi = torch.stack([self.ratio_min, -self.ratio_max])
         dist.all_reduce(sums, group=group)  # type: ignore[arg-type]
         dist.all_reduce(lo_neg_hi, op=dist.ReduceOp.MIN, group=group)  # type: ignore[arg-type]
-        valid, low, high, dual, ratio_sum, kl_sum = sums.unbind()
+        valid, low, high, dual, ratio_sum, kl_sum, ent_sum, ent_tokens = sums.unbind()
         return PolicyDiagnostics(
             valid_tokens=valid,
             clipped_low=low,
@@ -73,6 +80,8 @@ class PolicyDiagnostics(NamedTuple):
             ratio_min=lo_neg_hi[0],
             ratio_max=-lo_neg_hi[1],
             approx_kl_sum=kl_sum,
+            entropy_sum=ent_sum,
+            entropy_tokens=ent_tokens,
         )
 
     @property
@@ -95,6 +104,11 @@ class PolicyDiagnostics(NamedTuple):
     def approx_kl(self) -> Tensor:
         return safe_divide(self.approx_kl_sum, self.valid_tokens)
 
+    @property
+    def entropy(self) -> Tensor:
+        """Mean entropy over the tokens it was measured on (0 if it never was)."""
+        return safe_divide(self.entropy_sum, self.entropy_tokens)
+
 
 @torch.no_grad()
 def policy_diagnostics(
@@ -107,6 +121,7 @@ def policy_diagnostics(
     eps_high: float = 0.28,
     dual_clip: float | None = None,
     log_ratio_clamp: float = LOG_RATIO_CLAMP,
+    entropy: Float[Tensor, "batch seq"] | None = None,
 ) -> PolicyDiagnostics:
     r"""Clip fractions, ratio statistics and approximate KL over the valid tokens.
 
@@ -115,7 +130,9 @@ def policy_diagnostics(
     ``A < 0, r < 1 - eps_low`` and ``A > 0, r > 1 + eps_high``; the dual count is
     ``A < 0, r > dual_clip``. ``approx_kl`` is the k3 estimator
     :math:`\mathbb{E}_{old}[(r - 1) - \log r]` of :math:`KL(\pi_{old}\,\|\,\pi_\theta)`,
-    which is >= 0 per token.
+    which is >= 0 per token. ``entropy`` (per-token policy entropy, e.g. from
+    :func:`token_entropy`) adds its masked sum, so ``.entropy`` is its masked mean; the
+    DAPO paper monitors it (it should rise slowly: too low is collapsed exploration).
 
     Same shapes and options as :func:`clip_higher_surrogate`; returns a
     :class:`PolicyDiagnostics` of detached 0-dim float32 tensors.
@@ -135,6 +152,7 @@ def policy_diagnostics(
     high = valid & (adv > 0) & (ratio > 1.0 + eps_high)
     dual = torch.zeros_like(valid) if dual_clip is None else valid & (adv < 0) & (ratio > dual_clip)
     inf = torch.full_like(ratio, float("inf"))
+    zero = ratio.new_zeros((), dtype=f32)
     return PolicyDiagnostics(
         valid_tokens=valid.sum().to(f32),
         clipped_low=low.sum().to(f32),
@@ -144,4 +162,86 @@ def policy_diagnostics(
         ratio_min=torch.where(valid, ratio, inf).amin().to(f32),
         ratio_max=torch.where(valid, ratio, -inf).amax().to(f32),
         approx_kl_sum=torch.where(valid, (ratio - 1.0) - log_ratio, 0.0).sum().to(f32),
+        entropy_sum=zero if entropy is None else masked_sum("entropy", entropy, valid, logp),
+        entropy_tokens=zero if entropy is None else valid.sum().to(f32),
+    )
+
+
+def masked_sum(name: str, values: Tensor, valid: Tensor, ref: Tensor) -> Tensor:
+    check_float(name, values)
+    check_same_shape(name, values, "logp", ref)
+    return torch.where(valid, values.to(torch.float32), 0.0).sum()
+
+
+class BatchDiagnostics(NamedTuple):
+    """Per-batch figures (dynamic sampling, overlong answers, lengths) as counts.
+
+    0-dim float32 tensors that add across micro-batches (``+``) and ranks
+    (:meth:`all_reduce`); the properties give the logged fractions.
+    """
+
+    groups: Float[Tensor, ""]
+    groups_kept: Float[Tensor, ""]
+    samples: Float[Tensor, ""]
+    overlong_samples: Float[Tensor, ""]  # length >= max_len: hit the generation cap
+    response_tokens: Float[Tensor, ""]
+
+    def __add__(self, other: object) -> BatchDiagnostics:  # type: ignore[override]
+        if not isinstance(other, BatchDiagnostics):
+            return NotImplemented
+        return BatchDiagnostics(*(a + b for a, b in zip(self, other, strict=True)))
+
+    def all_reduce(self, group: object | None = None) -> BatchDiagnostics:
+        """Totals over the ranks of ``group`` (a no-op without torch.distributed)."""
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()):
+            return self
+        sums = torch.stack(list(self))
+        dist.all_reduce(sums, group=group)  # type: ignore[arg-type]
+        return BatchDiagnostics(*sums.unbind())
+
+    @property
+    def kept_group_fraction(self) -> Tensor:
+        return safe_divide(self.groups_kept, self.groups)
+
+    @property
+    def overlong_fraction(self) -> Tensor:
+        return safe_divide(self.overlong_samples, self.samples)
+
+    @property
+    def mean_response_length(self) -> Tensor:
+        return safe_divide(self.response_tokens, self.samples)
+
+
+def batch_diagnostics(
+    lengths: Integer[Tensor, " batch"] | Float[Tensor, " batch"],
+    *,
+    max_len: int,
+    keep: Bool[Tensor, " groups"] | Bool[Tensor, " batch"] | None = None,
+    group_ids: Integer[Tensor, " batch"] | None = None,
+) -> BatchDiagnostics:
+    """Counts for the per-batch curves DAPO monitors: kept groups, overlong samples, length.
+
+    ``lengths`` are response token counts (EOS included) of every generated sample;
+    a sample with ``length >= max_len`` hit the generation cap. ``keep`` is the output of
+    :func:`dynamic_sample_mask` (with the same ``group_ids`` for the flat layout); without
+    it the group counts are 0.
+
+    Example:
+        >>> d = batch_diagnostics(torch.tensor([5, 20, 7, 20]), max_len=20,
+        ...                       keep=torch.tensor([True, False]))
+        >>> float(d.kept_group_fraction), float(d.overlong_fraction), float(d.mean_response_length)
+        (0.5, 0.5, 13.0)
+    """
+    if not isinstance(lengths, Tensor) or lengths.ndim != 1:
+        raise InputError("lengths must be a 1-D tensor [batch] of response token counts")
+    f32 = torch.float32
+    zero = lengths.new_zeros((), dtype=f32)
+    kept, groups = (zero, zero) if keep is None else kept_group_counts(keep, group_ids)
+    return BatchDiagnostics(
+        groups=groups,
+        groups_kept=kept,
+        samples=lengths.new_tensor(lengths.numel(), dtype=f32),
+        overlong_samples=(lengths >= max_len).sum().to(f32),
+        response_tokens=lengths.sum().to(f32),
     )

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from typing import Literal, overload
 
+import torch
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
+from dapo_ops._validate import InputError, as_bool_mask, check_float, check_same_shape
 from dapo_ops.aggregation import AggregationMode, token_level_aggregate
 from dapo_ops.diagnostics import PolicyDiagnostics, policy_diagnostics
+from dapo_ops.kl import KLEstimator, kl_penalty
 from dapo_ops.surrogate import LOG_RATIO_CLAMP, clip_higher_surrogate
 
 Normalizer = Float[Tensor, ""] | Integer[Tensor, ""] | int | float | Literal["local"] | None
@@ -28,6 +31,10 @@ def token_level_loss(
     dual_clip: float | None = ...,
     max_len: int | None = ...,
     log_ratio_clamp: float = ...,
+    ref_logp: Tensor | None = ...,
+    kl_beta: float = ...,
+    kl_estimator: KLEstimator = ...,
+    is_weights: Tensor | None = ...,
     return_diagnostics: Literal[False] = ...,
 ) -> Tensor: ...
 
@@ -46,6 +53,10 @@ def token_level_loss(
     dual_clip: float | None = ...,
     max_len: int | None = ...,
     log_ratio_clamp: float = ...,
+    ref_logp: Tensor | None = ...,
+    kl_beta: float = ...,
+    kl_estimator: KLEstimator = ...,
+    is_weights: Tensor | None = ...,
     return_diagnostics: Literal[True],
 ) -> tuple[Tensor, PolicyDiagnostics]: ...
 
@@ -63,6 +74,10 @@ def token_level_loss(
     dual_clip: float | None = None,
     max_len: int | None = None,
     log_ratio_clamp: float = LOG_RATIO_CLAMP,
+    ref_logp: Float[Tensor, "batch seq"] | None = None,
+    kl_beta: float = 0.0,
+    kl_estimator: KLEstimator = "k3",
+    is_weights: Float[Tensor, "batch seq"] | None = None,
     return_diagnostics: bool = False,
 ) -> Float[Tensor, ""] | tuple[Float[Tensor, ""], PolicyDiagnostics]:
     r"""DAPO's policy loss: Clip-Higher surrogate, aggregated over tokens.
@@ -75,7 +90,13 @@ def token_level_loss(
     i.e. :func:`clip_higher_surrogate` then :func:`token_level_aggregate`; ``N`` is the
     number of valid tokens (``mode="token_mean"``), or ``normalizer`` when given (the
     global count over micro-batches and ranks, from :func:`global_normalizer`). DAPO has
-    no KL term (beta = 0), so no reference log-probs are needed.
+    no KL term (``kl_beta=0``, the default), so no reference log-probs are needed.
+
+    Options for the objectives DAPO is compared with: ``kl_beta > 0`` adds
+    ``kl_beta * kl_penalty(logp, ref_logp, estimator=kl_estimator)`` per token (GRPO:
+    ``kl_beta=0.04``, k3); ``is_weights`` (e.g. :func:`truncated_is_weights`) multiplies
+    the per-token surrogate to correct a rollout-engine mismatch; ``dual_clip`` bounds
+    negative-advantage tokens (verl's default ``clip_ratio_c=3``).
 
     Shapes: logp, old_logp, mask ``[batch, seq]``; advantages ``[batch]``,
     ``[batch, 1]`` or ``[batch, seq]``. Returns a 0-dim float32 tensor (float64 for
@@ -96,6 +117,10 @@ def token_level_loss(
         >>> loss = token_level_loss(logp, logp.detach(), torch.randn(4), mask)
         >>> loss.backward()
     """
+    if kl_beta < 0:
+        raise InputError(f"kl_beta must be >= 0, got {kl_beta}")
+    if kl_beta > 0 and ref_logp is None:
+        raise InputError(f"kl_beta={kl_beta} needs ref_logp (the reference policy's log-probs)")
     per_token = clip_higher_surrogate(
         logp,
         old_logp,
@@ -106,6 +131,17 @@ def token_level_loss(
         dual_clip=dual_clip,
         log_ratio_clamp=log_ratio_clamp,
     )
+    if is_weights is not None:
+        check_float("is_weights", is_weights)
+        check_same_shape("is_weights", is_weights, "logp", logp)
+        valid = as_bool_mask("mask", mask, "logp", logp)
+        weights = torch.where(valid, is_weights.to(per_token.dtype), torch.zeros_like(per_token))
+        per_token = per_token * weights.detach()
+    if kl_beta > 0 and ref_logp is not None:
+        kl = kl_penalty(
+            logp, ref_logp, mask, estimator=kl_estimator, log_ratio_clamp=log_ratio_clamp
+        )
+        per_token = per_token + kl_beta * kl
     loss = token_level_aggregate(per_token, mask, mode=mode, normalizer=normalizer, max_len=max_len)
     if not return_diagnostics:
         return loss

@@ -84,15 +84,22 @@ def kept_group_fraction(
         >>> kept_group_fraction(torch.tensor([True, False, False, True]))
         tensor(0.5000)
     """
+    kept, total = kept_group_counts(keep, group_ids)
+    return kept / total.clamp(min=1)
+
+
+def kept_group_counts(
+    keep: Tensor, group_ids: Tensor | None
+) -> tuple[Float[Tensor, ""], Float[Tensor, ""]]:
+    """(kept groups, groups) as 0-dim float32 tensors, for either layout of ``keep``."""
     if not isinstance(keep, Tensor) or keep.dtype != torch.bool or keep.ndim != 1:
         raise InputError("keep must be the 1-D bool tensor returned by dynamic_sample_mask")
     if group_ids is None:
-        return keep.float().mean() if keep.numel() else keep.new_zeros((), dtype=torch.float32)
+        return keep.sum().float(), keep.new_tensor(keep.numel(), dtype=torch.float32)
     seg = segments("keep", keep, group_ids)
-    counts = segment_count(seg, torch.float32)
+    present = segment_count(seg, torch.float32) > 0
     kept = segment_reduce(seg, keep.float(), "amax")
-    groups = (counts > 0).sum()
-    return kept.sum() / groups.clamp(min=1)
+    return kept.sum(), present.sum().float()
 
 
 def prompts_to_generate(

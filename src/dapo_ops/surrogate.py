@@ -45,13 +45,15 @@ def token_terms(
     mask: Tensor | None,
     *,
     log_ratio_clamp: float = LOG_RATIO_CLAMP,
+    names: tuple[str, str] = ("logp", "old_logp"),
 ) -> TokenTerms:
     """Check inputs, broadcast advantages and build the masked, clamped token ratio."""
-    check_float("logp", logp)
-    check_float("old_logp", old_logp)
+    name, old_name = names
+    check_float(name, logp)
+    check_float(old_name, old_logp)
     check_float("advantages", advantages)
-    check_ndim("logp", logp, 2, "[batch, seq]")
-    check_same_shape("old_logp", old_logp, "logp", logp)
+    check_ndim(name, logp, 2, "[batch, seq]")
+    check_same_shape(old_name, old_logp, name, logp)
     batch, seq = logp.shape
     if advantages.ndim == 1 and advantages.shape[0] == batch:
         adv = rearrange(advantages, "batch -> batch 1")
@@ -60,7 +62,7 @@ def token_terms(
     else:
         raise InputError(
             f"advantages must have shape [batch]=[{batch}], [batch, 1]=[{batch}, 1] or "
-            f"[batch, seq]=[{batch}, {seq}] to match logp {shape_str(logp)}; "
+            f"[batch, seq]=[{batch}, {seq}] to match {name} {shape_str(logp)}; "
             f"got {shape_str(advantages)}"
         )
     if not log_ratio_clamp > 0:
@@ -69,7 +71,7 @@ def token_terms(
     if mask is None:
         valid = torch.ones_like(logp, dtype=torch.bool)
     else:
-        valid = as_bool_mask("mask", mask, "logp", logp)
+        valid = as_bool_mask("mask", mask, name, logp)
     zero = logp.new_zeros((), dtype=dtype)
     # `where`, never a multiplication: NaN/inf at masked positions must not reach the
     # forward value or, through 0 * inf, the gradient.
@@ -129,9 +131,17 @@ def clip_higher_surrogate(
     valid, _, ratio, adv = token_terms(
         logp, old_logp, advantages, mask, log_ratio_clamp=log_ratio_clamp
     )
+    loss = clipped_objective(ratio, adv, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip)
+    return torch.where(valid, loss, torch.zeros_like(loss))
+
+
+def clipped_objective(
+    ratio: Tensor, adv: Tensor, *, eps_low: float, eps_high: float, dual_clip: float | None
+) -> Tensor:
+    """``-min(r A, clip(r) A)``, with the dual bound for ``A < 0``; shared by PPO and GSPO."""
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
     loss = torch.maximum(unclipped, clipped)
     if dual_clip is not None:
         loss = torch.where(adv < 0, torch.minimum(loss, -adv * dual_clip), loss)
-    return torch.where(valid, loss, torch.zeros_like(loss))
+    return loss

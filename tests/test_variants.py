@@ -1,0 +1,294 @@
+"""GSPO, CISPO, KL estimators, truncated IS, presets and peer-exact options."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from _strategies import MODES, PolicyBatch, make_batch, policy_batches
+from hypothesis import given
+from hypothesis import strategies as st
+
+import dapo_ops as d
+
+# --- GSPO -------------------------------------------------------------------------
+
+
+@given(st.integers(1, 6), st.integers(1, 12), st.integers(0, 2**31 - 1), st.floats(-0.5, 0.5))
+def test_gspo_equals_token_ppo_when_token_ratios_are_equal(
+    batch: int, seq: int, seed: int, shift: float
+) -> None:
+    b = make_batch(batch, seq, seed)
+    g = torch.Generator().manual_seed(seed)
+    per_seq = torch.randn(batch, 1, generator=g) * shift  # one log-ratio per sequence
+    logp = (b.old_logp + per_seq).requires_grad_(True)
+    logp2 = logp.detach().clone().requires_grad_(True)
+    eps = {"eps_low": 0.2, "eps_high": 0.28}
+    gspo = d.gspo_surrogate(logp, b.old_logp, b.advantages, b.mask, **eps)
+    ppo = d.clip_higher_surrogate(logp2, b.old_logp, b.advantages, b.mask, **eps)
+    torch.testing.assert_close(gspo, ppo, rtol=1e-5, atol=1e-6)
+    gspo.sum().backward()
+    ppo.sum().backward()
+    torch.testing.assert_close(logp.grad, logp2.grad, rtol=1e-5, atol=1e-6)
+
+
+@given(policy_batches())
+def test_gspo_ratio_is_the_geometric_mean(b: PolicyBatch) -> None:
+    s = d.gspo_sequence_ratio(b.logp, b.old_logp, b.mask)
+    for i in range(b.logp.shape[0]):
+        r = torch.exp(b.logp[i] - b.old_logp[i])[b.mask[i]].double()
+        want = float(r.prod() ** (1 / len(r))) if len(r) else 1.0
+        assert s[i].item() == pytest.approx(min(want, math.exp(10)), rel=1e-4)
+
+
+@given(policy_batches(max_batch=4, max_seq=10))
+def test_gspo_gradient_is_the_papers(b: PolicyBatch) -> None:
+    # J = (1/G) sum_i min(s_i A_i, clip(s_i) A_i); grad wrt logp_{i,t} = s_i A_i / |y_i| / G
+    # when unclipped, 0 when clipped
+    logp = b.logp.clone().requires_grad_(True)
+    eps_low, eps_high = 0.1, 0.1
+    loss = d.token_level_aggregate(
+        d.gspo_surrogate(
+            logp, b.old_logp, b.advantages, b.mask, eps_low=eps_low, eps_high=eps_high
+        ),
+        b.mask,
+        mode="seq_mean_token_mean",
+    )
+    loss.backward()
+    s = d.gspo_sequence_ratio(b.logp, b.old_logp, b.mask)
+    n = b.mask.sum(-1)
+    groups = int((n > 0).sum())
+    for i in range(b.logp.shape[0]):
+        if n[i] == 0:
+            continue
+        a = float(b.advantages[i])
+        clipped = (a > 0 and s[i] > 1 + eps_high) or (a < 0 and s[i] < 1 - eps_low)
+        want = 0.0 if clipped else -float(s[i]) * a / int(n[i]) / groups
+        assert logp.grad is not None
+        torch.testing.assert_close(
+            logp.grad[i][b.mask[i]], torch.full((int(n[i]),), want), rtol=1e-4, atol=1e-7
+        )
+
+
+# --- CISPO ------------------------------------------------------------------------
+
+
+@given(policy_batches(), st.floats(1.0, 4.0), st.floats(0.0, 1.0))
+def test_cispo_gradient_is_the_clipped_weight_and_bounded_by_cap(
+    b: PolicyBatch, cap: float, floor: float
+) -> None:
+    logp = b.logp.clone().requires_grad_(True)
+    d.cispo_surrogate(logp, b.old_logp, b.advantages, b.mask, cap=cap, floor=floor).sum().backward()
+    assert logp.grad is not None
+    a = b.advantages[:, None].expand_as(b.logp)
+    w = torch.exp(b.logp - b.old_logp).clamp(floor, cap)
+    torch.testing.assert_close(logp.grad, torch.where(b.mask, -w * a, 0.0), rtol=1e-5, atol=1e-6)
+    assert bool((logp.grad.abs() <= cap * a.abs() * (1 + 1e-6) + 1e-7).all())
+
+
+# --- KL ---------------------------------------------------------------------------
+
+
+@given(policy_batches(), st.sampled_from(["k1", "k2", "k3"]))
+def test_kl_estimators(b: PolicyBatch, estimator: str) -> None:
+    kl = d.kl_penalty(b.logp, b.old_logp, b.mask, estimator=estimator)  # type: ignore[arg-type]
+    delta = (b.logp - b.old_logp).double()
+    want = {"k1": delta, "k2": delta**2 / 2, "k3": torch.exp(-delta) + delta - 1}[estimator]
+    torch.testing.assert_close(kl.double(), torch.where(b.mask, want, 0.0), rtol=1e-5, atol=1e-6)
+    if estimator != "k1":
+        assert bool((kl >= 0).all())
+    same = d.kl_penalty(b.logp, b.logp, b.mask, estimator=estimator)  # type: ignore[arg-type]
+    assert bool((same == 0).all())
+
+
+def test_kl_zero_exactly_where_equal_only() -> None:
+    logp = torch.tensor([[-1.0, -2.0, -3.0]])
+    ref = torch.tensor([[-1.0, -2.5, -3.0]])
+    for est in ("k1", "k2", "k3"):
+        kl = d.kl_penalty(logp, ref, estimator=est)  # type: ignore[arg-type]
+        assert kl[0, 0] == 0 and kl[0, 2] == 0 and kl[0, 1] != 0
+
+
+# --- truncated IS -----------------------------------------------------------------
+
+
+@given(policy_batches(), st.floats(1.0, 5.0))
+def test_truncated_is_weights(b: PolicyBatch, cap: float) -> None:
+    tok = d.truncated_is_weights(b.old_logp, b.logp, b.mask, cap=cap)
+    want = torch.exp(b.old_logp - b.logp).clamp(max=cap)
+    torch.testing.assert_close(tok, torch.where(b.mask, want, 0.0), rtol=1e-5, atol=1e-6)
+    seq = d.truncated_is_weights(b.old_logp, b.logp, b.mask, cap=cap, level="sequence")
+    for i in range(b.logp.shape[0]):
+        log_w = float(torch.where(b.mask[i], b.old_logp[i] - b.logp[i], 0.0).double().sum())
+        vals = seq[i][b.mask[i]]
+        if vals.numel():
+            assert torch.allclose(
+                vals, torch.full_like(vals, math.exp(min(log_w, math.log(cap)))), rtol=1e-4
+            )
+    assert not tok.requires_grad and bool((seq[~b.mask] == 0).all())
+
+
+def test_loss_with_is_weights_and_kl_is_the_composition() -> None:
+    b = make_batch(4, 6, 7)
+    ref = b.old_logp - 0.1
+    w = d.truncated_is_weights(b.old_logp, b.old_logp + 0.05, b.mask)
+    got = d.token_level_loss(
+        b.logp, b.old_logp, b.advantages, b.mask, is_weights=w, ref_logp=ref, kl_beta=0.04
+    )
+    per_token = d.clip_higher_surrogate(b.logp, b.old_logp, b.advantages, b.mask) * w
+    per_token = per_token + 0.04 * d.kl_penalty(b.logp, ref, b.mask)
+    torch.testing.assert_close(got, d.token_level_aggregate(per_token, b.mask))
+    with pytest.raises(ValueError, match="ref_logp"):
+        d.token_level_loss(b.logp, b.old_logp, b.advantages, b.mask, kl_beta=0.1)
+
+
+# --- presets ----------------------------------------------------------------------
+
+
+def paper_loss(
+    preset: d.ObjectivePreset, b: PolicyBatch, ref: torch.Tensor, max_len: int
+) -> torch.Tensor:
+    """Each objective as its paper writes it, in float64 with Python loops over sequences."""
+    total, count = torch.tensor(0.0, dtype=torch.float64), 0
+    tokens = int(b.mask.sum())
+    for i in range(b.logp.shape[0]):
+        m = b.mask[i]
+        if not bool(m.any()):
+            continue
+        count += 1
+        lp, old, rf = b.logp[i][m].double(), b.old_logp[i][m].double(), ref[i][m].double()
+        a = float(b.advantages[i])
+        if preset.surrogate == "gspo":
+            s = torch.exp((lp - old).mean())
+            terms = -torch.min(
+                s * a, s.clamp(1 - preset.eps_low, 1 + preset.eps_high) * a
+            ).expand_as(lp)
+        elif preset.surrogate == "cispo":
+            w = torch.exp(lp - old).clamp(max(0.0, 1 - preset.eps_low), 1 + preset.eps_high)
+            terms = -w * a * lp
+        else:
+            r = torch.exp(lp - old)
+            terms = -torch.min(r * a, r.clamp(1 - preset.eps_low, 1 + preset.eps_high) * a)
+        if preset.kl_beta:
+            terms = terms + preset.kl_beta * (torch.exp(rf - lp) - (rf - lp) - 1)
+        if preset.mode == "token_mean":
+            total = total + terms.sum() / tokens
+        elif preset.mode == "seq_mean_token_mean":
+            total = total + terms.mean()
+        elif preset.mode == "seq_mean_token_sum_norm":
+            total = total + terms.sum() / max_len
+        else:
+            total = total + terms.sum()
+    return total if preset.mode == "token_mean" else total / max(count, 1)
+
+
+@pytest.mark.parametrize("name", list(d.PRESETS))
+@given(b=policy_batches())
+def test_presets_reproduce_their_papers(name: str, b: PolicyBatch) -> None:
+    preset = d.PRESETS[name]
+    ref = b.old_logp + 0.1
+    got = preset.loss(b.logp, b.old_logp, b.advantages, b.mask, ref_logp=ref, max_len=32)
+    torch.testing.assert_close(got.double(), paper_loss(preset, b, ref, 32), rtol=1e-4, atol=1e-6)
+
+
+def test_preset_advantages_and_replace() -> None:
+    r = torch.tensor([[1.0, 0.0, 0.0, 1.0]])
+    torch.testing.assert_close(d.DAPO.advantages(r), d.group_advantages(r))
+    torch.testing.assert_close(d.DR_GRPO.advantages(r), r - 0.5)
+    c = d.DAPO.replace(dual_clip=3.0)
+    assert c.dual_clip == 3.0 and d.DAPO.dual_clip is None and c.name == "dapo"
+    assert d.DAPO.kl_beta == 0 and d.DAPO.dynamic_sampling and d.DAPO.overlong_penalty
+    assert d.DAPO.verl["clip_ratio_high"] == 0.28 and d.DAPO.trl["loss_type"] == "dapo"
+
+
+# --- peer-exact options -----------------------------------------------------------
+
+
+def verl_grpo_advantage(scores: torch.Tensor, uids: list[int], eps: float = 1e-6) -> torch.Tensor:
+    """verl's outcome advantage as its docs describe it: per-uid loop, float32, unbiased std,
+    a lone sample gets mean 0 and std 1."""
+    groups: dict[int, list[torch.Tensor]] = {}
+    for s, u in zip(scores, uids, strict=True):
+        groups.setdefault(u, []).append(s)
+    mean, std = {}, {}
+    for u, vals in groups.items():
+        if len(vals) == 1:
+            mean[u], std[u] = torch.tensor(0.0), torch.tensor(1.0)
+        else:
+            t = torch.stack(vals)
+            mean[u], std[u] = t.mean(), t.std()
+    return torch.stack([(s - mean[u]) / (std[u] + eps) for s, u in zip(scores, uids, strict=True)])
+
+
+@given(st.integers(1, 30), st.integers(1, 6), st.integers(0, 2**31 - 1))
+def test_group_advantages_reproduce_verl(batch: int, max_id: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    uids = (torch.randint(0, max_id, (batch,), generator=g) * 13).tolist()
+    scores = torch.randn(batch, generator=g)
+    want = verl_grpo_advantage(scores, uids)
+    got = d.group_advantages(scores, torch.tensor(uids), eps=1e-6, singleton="score")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("eps", [1e-4, 1e-9])
+def test_group_advantages_reproduce_trl_and_openrlhf(eps: float) -> None:
+    r = torch.randn(8, 6, generator=torch.Generator().manual_seed(3))
+    want = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)
+    torch.testing.assert_close(d.group_advantages(r, eps=eps), want)
+
+
+def verl_vanilla_token_mean(
+    old: torch.Tensor, logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """verl's vanilla PPO loss (clip_ratio 0.2/0.28, dual clip c=3, log-ratio clamp 20),
+    token-mean, as its docs describe it."""
+    neg_kl = torch.clamp(logp - old, -20.0, 20.0)
+    ratio = torch.exp(neg_kl)
+    l1, l2 = -adv * ratio, -adv * torch.clamp(ratio, 0.8, 1.28)
+    clip1 = torch.maximum(l1, l2)
+    clip2 = torch.min(-adv * 3.0, clip1)
+    losses = torch.where(adv < 0, clip2, clip1)
+    m = mask.float()
+    return (losses * m).sum() / m.sum()
+
+
+@given(policy_batches())
+def test_loss_reproduces_verl_vanilla_with_dual_clip(b: PolicyBatch) -> None:
+    if not bool(b.mask.any()):
+        return
+    adv = b.advantages[:, None].expand_as(b.logp)
+    want = verl_vanilla_token_mean(b.old_logp, b.logp, adv, b.mask)
+    got = d.token_level_loss(b.logp, b.old_logp, b.advantages, b.mask, dual_clip=3.0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_kl_and_sequence_ratio_gradcheck_float64(mode: str) -> None:
+    b = make_batch(3, 4, 11, dtype=torch.float64, spread=0.2)
+    logp = b.logp.clone().requires_grad_(True)
+
+    def kl(lp: torch.Tensor) -> torch.Tensor:
+        return d.token_level_aggregate(d.kl_penalty(lp, b.old_logp, b.mask), b.mask, mode=mode)  # type: ignore[arg-type]
+
+    assert torch.autograd.gradcheck(kl, (logp,))
+    assert torch.autograd.gradcheck(
+        lambda lp: d.gspo_sequence_ratio(lp, b.old_logp, b.mask), (logp,)
+    )
+
+
+def test_gspo_gradcheck_float64() -> None:
+    # GSPO-token's gradient is the derivative of the sequence objective, i.e. of the
+    # value aggregated with seq_mean_token_mean (stop-gradients make other aggregations
+    # differ on purpose). CISPO's gradient is by design not the derivative of its value
+    # (the weight is detached): test_cispo_gradient_is_the_clipped_weight checks it.
+    b = make_batch(3, 4, 12, dtype=torch.float64, spread=0.2)
+    logp = b.logp.clone().requires_grad_(True)
+
+    def gspo(lp: torch.Tensor) -> torch.Tensor:
+        per_token = d.gspo_surrogate(
+            lp, b.old_logp, b.advantages, b.mask, eps_low=0.5, eps_high=0.5
+        )
+        return d.token_level_aggregate(per_token, b.mask, mode="seq_mean_token_mean")
+
+    assert torch.autograd.gradcheck(gspo, (logp,))
