@@ -48,7 +48,10 @@ def test_token_level_loss_inductor_forward_backward_and_diagnostics() -> None:
     torch.testing.assert_close(loss_c, loss_e)
     torch.testing.assert_close(comp_logp.grad, eager_logp.grad)
     for name in diag_e._fields:
-        torch.testing.assert_close(getattr(diag_c, name), getattr(diag_e, name))
+        # float32 sums cast to float64: compare at float32 precision
+        torch.testing.assert_close(
+            getattr(diag_c, name), getattr(diag_e, name), rtol=1e-5, atol=1e-6
+        )
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -96,6 +96,41 @@ CASES: list[tuple[str, Callable[[], object], str]] = [
         "normalizer",
     ),
     ("global masks float", lambda: d.global_normalizer([_m(2, 2), _t(2, 2)]), "masks"),
+    (
+        "clamp inf",
+        lambda: d.clip_higher_surrogate(_t(B, S), _t(B, S), _t(B), log_ratio_clamp=float("inf")),
+        "log_ratio_clamp",
+    ),
+    (
+        "kl_beta nan",
+        lambda: d.token_level_loss(_t(B, S), _t(B, S), _t(B), _m(B, S), kl_beta=float("nan")),
+        "kl_beta",
+    ),
+    (
+        "max_len float",
+        lambda: d.token_level_aggregate(
+            _t(B, S), _m(B, S), mode="seq_mean_token_sum_norm", max_len=2.5
+        ),
+        "max_len",
+    ),  # type: ignore[arg-type]
+    (
+        "gspo adv per token",
+        lambda: d.gspo_surrogate(_t(B, S), _t(B, S), _t(B, S), _m(B, S)),
+        "advantages",
+    ),
+    ("cispo cap <1", lambda: d.cispo_surrogate(_t(B, S), _t(B, S), _t(B), cap=0.5), "cap"),
+    ("kl estimator", lambda: d.kl_penalty(_t(B, S), _t(B, S), estimator="k4"), "estimator"),  # type: ignore[arg-type]
+    (
+        "tis level",
+        lambda: d.truncated_is_weights(_t(B, S), _t(B, S), _m(B, S), level="row"),
+        "level",
+    ),  # type: ignore[arg-type]
+    ("tis cap", lambda: d.truncated_is_weights(_t(B, S), _t(B, S), _m(B, S), cap=0.0), "cap"),
+    (
+        "is_weights shape",
+        lambda: d.token_level_loss(_t(B, S), _t(B, S), _t(B), _m(B, S), is_weights=_t(B)),
+        "is_weights",
+    ),
 ]
 
 
@@ -129,3 +164,19 @@ def test_shape_message_shows_the_shapes() -> None:
         assert "[3, 5]" in str(info.value)
     finally:
         jaxtyping.config.update("jaxtyping_disable", False)
+
+
+@pytest.mark.parametrize(
+    "mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
+)
+def test_empty_shapes_give_zero_not_nan(mode: str) -> None:
+    logp = torch.zeros(2, 0, requires_grad=True)
+    loss = d.token_level_loss(
+        logp, logp.detach(), torch.ones(2), torch.zeros(2, 0, dtype=torch.bool), mode=mode
+    )  # type: ignore[call-overload]
+    assert loss.item() == 0.0
+    assert d.group_advantages(torch.zeros(3, 0)).shape == (3, 0)
+    diag = d.policy_diagnostics(
+        torch.zeros(0, 4), torch.zeros(0, 4), torch.zeros(0), torch.zeros(0, 4, dtype=torch.bool)
+    )
+    assert diag.valid_tokens.item() == 0 and diag.ratio_mean.item() == 0.0

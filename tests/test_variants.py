@@ -292,3 +292,36 @@ def test_gspo_gradcheck_float64() -> None:
         return d.token_level_aggregate(per_token, b.mask, mode="seq_mean_token_mean")
 
     assert torch.autograd.gradcheck(gspo, (logp,))
+
+
+def test_trl_loss_types_reproduced_with_a_row_normalizer() -> None:
+    # TRL divides its "grpo" and "dr_grpo" losses by all rows, empty (fully masked,
+    # e.g. truncated) rows included; dapo_ops counts non-empty rows unless told otherwise.
+    b = make_batch(5, 7, 13)
+    mask = b.mask.clone()
+    mask[2] = False  # a truncated completion, masked out
+    per_token = d.clip_higher_surrogate(b.logp, b.old_logp, b.advantages, mask)
+    m = mask.float()
+    trl_grpo = ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+    trl_dr_grpo = (per_token * m).sum() / (5 * 7)
+    trl_bnpo = (per_token * m).sum() / m.sum().clamp(min=1.0)
+    rows = mask.shape[0]
+    torch.testing.assert_close(
+        d.token_level_loss(
+            b.logp, b.old_logp, b.advantages, mask, mode="seq_mean_token_mean", normalizer=rows
+        ),
+        trl_grpo,
+    )
+    torch.testing.assert_close(
+        d.token_level_loss(
+            b.logp,
+            b.old_logp,
+            b.advantages,
+            mask,
+            mode="seq_mean_token_sum_norm",
+            normalizer=rows,
+            max_len=7,
+        ),
+        trl_dr_grpo,
+    )
+    torch.testing.assert_close(d.token_level_loss(b.logp, b.old_logp, b.advantages, mask), trl_bnpo)

@@ -34,6 +34,10 @@ def segments(name: str, values: Tensor, group_ids: Tensor | None) -> Segments:
                 f"group_ids [batch]; got {shape_str(values)} and no group_ids"
             )
         groups, samples = values.shape
+        if samples == 0:
+            empty = values.new_zeros(0)
+            index = torch.zeros(0, dtype=torch.int64, device=values.device)
+            return Segments(empty, index, max(groups, 1), (groups, samples))
         index = repeat(
             torch.arange(groups, device=values.device),
             "groups -> (groups samples)",
@@ -69,6 +73,8 @@ def restore(seg: Segments, flat: Tensor) -> Tensor:
     """Per-entry values back in the caller's layout."""
     if seg.dense_shape is None:
         return flat
+    if seg.dense_shape[1] == 0:
+        return flat.new_zeros(seg.dense_shape)
     return rearrange(flat, "(groups samples) -> groups samples", samples=seg.dense_shape[1])
 
 

@@ -52,7 +52,9 @@ def group_advantages(
     ``std + 1e-6`` and turn rounding noise into advantages of order 0.03-1). Statistics are
     accumulated in float64, so equal rewards give an exactly zero spread. Because such
     groups are handled exactly, ``eps`` defaults to 0, and ``group``/``batch`` scaling is
-    exactly invariant to ``rewards * a + b`` for ``a > 0``.
+    invariant to ``rewards * a + b`` for ``a > 0`` up to float rounding (no epsilon
+    skews it); only a spread within the rounding tolerance of the rewards' magnitude can
+    flip a group between "constant" and "spread" under a large shift ``b``.
 
     Differences from peers (see docs/advantages.md): verl adds ``eps=1e-6`` to the
     unbiased std and gives a one-sample group its raw score as advantage (we give 0;

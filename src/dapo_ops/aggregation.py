@@ -51,7 +51,11 @@ class PartialLoss(NamedTuple):
 
 
 def safe_divide(num: Tensor, den: Tensor | float) -> Tensor:
-    """``num / den`` with 0 where ``den == 0`` (then ``num`` is 0 too), NaN-free gradient."""
+    """``num / den``, with a zero ``den`` replaced by 1, so the value and gradient stay finite.
+
+    Every caller divides a sum by a count of what it sums (tokens, sequences, samples):
+    a zero count means an empty sum, and the result is then 0, never NaN.
+    """
     den_t = torch.as_tensor(den, dtype=num.dtype, device=num.device)
     return num / torch.where(den_t == 0, torch.ones_like(den_t), den_t)
 
@@ -95,8 +99,10 @@ def aggregate_partial(
     check_ndim("per_token_loss", per_token_loss, 2, "[batch, seq]")
     valid = as_bool_mask("mask", mask, "per_token_loss", per_token_loss)
     check_option("mode", mode, AGGREGATION_MODES)
-    if max_len is not None and not max_len > 0:
-        raise InputError(f"max_len must be > 0, got {max_len}")
+    if max_len is not None and (
+        isinstance(max_len, bool) or not isinstance(max_len, int) or max_len <= 0
+    ):
+        raise InputError(f"max_len must be a positive int, got {max_len!r}")
     dtype = torch.float64 if per_token_loss.dtype == torch.float64 else torch.float32
     loss = torch.where(valid, per_token_loss.to(dtype), per_token_loss.new_zeros((), dtype=dtype))
     if mode == "token_mean":
@@ -108,7 +114,7 @@ def aggregate_partial(
         return PartialLoss(safe_divide(seq_sum, seq_tokens).sum(), num_seqs)
     if mode == "seq_mean_token_sum":
         return PartialLoss(seq_sum.sum(), num_seqs)
-    length = per_token_loss.shape[-1] if max_len is None else max_len
+    length = max(per_token_loss.shape[-1], 1) if max_len is None else max_len
     return PartialLoss(seq_sum.sum() / length, num_seqs)
 
 

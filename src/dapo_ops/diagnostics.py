@@ -17,7 +17,7 @@ from dapo_ops.surrogate import LOG_RATIO_CLAMP, token_terms
 class PolicyDiagnostics(NamedTuple):
     """Masked token statistics, kept as sums and counts so they combine exactly.
 
-    Every field is a 0-dim float32 tensor (detached). ``a + b`` combines two micro-batches
+    Every field is a 0-dim float64 tensor (detached): counts stay exact past 2**24 tokens. ``a + b`` combines two micro-batches
     (sums add, min/max combine), :meth:`all_reduce` combines ranks, and the properties
     turn the totals into the figures a trainer logs. Converting to Python numbers (e.g.
     ``float(d.clip_frac_high)``) is the caller's choice, once per step.
@@ -135,7 +135,7 @@ def policy_diagnostics(
     DAPO paper monitors it (it should rise slowly: too low is collapsed exploration).
 
     Same shapes and options as :func:`clip_higher_surrogate`; returns a
-    :class:`PolicyDiagnostics` of detached 0-dim float32 tensors.
+    :class:`PolicyDiagnostics` of detached 0-dim float64 tensors.
 
     Example:
         >>> d = policy_diagnostics(torch.zeros(1, 2), torch.tensor([[0.0, -1.0]]),
@@ -147,36 +147,43 @@ def policy_diagnostics(
     valid, log_ratio, ratio, adv = token_terms(
         logp, old_logp, advantages, mask, log_ratio_clamp=log_ratio_clamp
     )
-    f32 = torch.float32
+    acc = torch.float64  # counts stay exact past 2**24 tokens
     low = valid & (adv < 0) & (ratio < 1.0 - eps_low)
     high = valid & (adv > 0) & (ratio > 1.0 + eps_high)
     dual = torch.zeros_like(valid) if dual_clip is None else valid & (adv < 0) & (ratio > dual_clip)
     inf = torch.full_like(ratio, float("inf"))
-    zero = ratio.new_zeros((), dtype=f32)
+    zero = ratio.new_zeros((), dtype=acc)
     return PolicyDiagnostics(
-        valid_tokens=valid.sum().to(f32),
-        clipped_low=low.sum().to(f32),
-        clipped_high=high.sum().to(f32),
-        clipped_dual=dual.sum().to(f32),
-        ratio_sum=torch.where(valid, ratio, 0.0).sum().to(f32),
-        ratio_min=torch.where(valid, ratio, inf).amin().to(f32),
-        ratio_max=torch.where(valid, ratio, -inf).amax().to(f32),
-        approx_kl_sum=torch.where(valid, (ratio - 1.0) - log_ratio, 0.0).sum().to(f32),
+        valid_tokens=valid.sum().to(acc),
+        clipped_low=low.sum().to(acc),
+        clipped_high=high.sum().to(acc),
+        clipped_dual=dual.sum().to(acc),
+        ratio_sum=torch.where(valid, ratio, 0.0).sum().to(acc),
+        ratio_min=extreme(torch.where(valid, ratio, inf), "amin").to(acc),
+        ratio_max=extreme(torch.where(valid, ratio, -inf), "amax").to(acc),
+        approx_kl_sum=torch.where(valid, (ratio - 1.0) - log_ratio, 0.0).sum().to(acc),
         entropy_sum=zero if entropy is None else masked_sum("entropy", entropy, valid, logp),
-        entropy_tokens=zero if entropy is None else valid.sum().to(f32),
+        entropy_tokens=zero if entropy is None else valid.sum().to(acc),
     )
+
+
+def extreme(x: Tensor, reduce: str) -> Tensor:
+    """amin/amax of all entries; +-inf for an empty tensor (shape-static branch)."""
+    if x.numel() == 0:
+        return x.new_tensor(float("inf") if reduce == "amin" else float("-inf"))
+    return x.amin() if reduce == "amin" else x.amax()
 
 
 def masked_sum(name: str, values: Tensor, valid: Tensor, ref: Tensor) -> Tensor:
     check_float(name, values)
     check_same_shape(name, values, "logp", ref)
-    return torch.where(valid, values.to(torch.float32), 0.0).sum()
+    return torch.where(valid, values.to(torch.float64), 0.0).sum()
 
 
 class BatchDiagnostics(NamedTuple):
     """Per-batch figures (dynamic sampling, overlong answers, lengths) as counts.
 
-    0-dim float32 tensors that add across micro-batches (``+``) and ranks
+    0-dim float64 tensors that add across micro-batches (``+``) and ranks
     (:meth:`all_reduce`); the properties give the logged fractions.
     """
 
@@ -235,13 +242,14 @@ def batch_diagnostics(
     """
     if not isinstance(lengths, Tensor) or lengths.ndim != 1:
         raise InputError("lengths must be a 1-D tensor [batch] of response token counts")
-    f32 = torch.float32
-    zero = lengths.new_zeros((), dtype=f32)
+    acc = torch.float64  # counts stay exact past 2**24 tokens
+    zero = lengths.new_zeros((), dtype=acc)
     kept, groups = (zero, zero) if keep is None else kept_group_counts(keep, group_ids)
+    kept, groups = kept.to(acc), groups.to(acc)
     return BatchDiagnostics(
         groups=groups,
         groups_kept=kept,
-        samples=lengths.new_tensor(lengths.numel(), dtype=f32),
-        overlong_samples=(lengths >= max_len).sum().to(f32),
-        response_tokens=lengths.sum().to(f32),
+        samples=lengths.new_tensor(lengths.numel(), dtype=acc),
+        overlong_samples=(lengths >= max_len).sum().to(acc),
+        response_tokens=lengths.sum().to(acc),
     )

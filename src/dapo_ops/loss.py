@@ -117,8 +117,8 @@ def token_level_loss(
         >>> loss = token_level_loss(logp, logp.detach(), torch.randn(4), mask)
         >>> loss.backward()
     """
-    if kl_beta < 0:
-        raise InputError(f"kl_beta must be >= 0, got {kl_beta}")
+    if not (kl_beta >= 0 and kl_beta < float("inf")):
+        raise InputError(f"kl_beta must be finite and >= 0, got {kl_beta}")
     if kl_beta > 0 and ref_logp is None:
         raise InputError(f"kl_beta={kl_beta} needs ref_logp (the reference policy's log-probs)")
     per_token = clip_higher_surrogate(

@@ -86,9 +86,10 @@ def overlong_filter(
 
     ``out[i, t] = mask[i, t] and not truncated[i]``. A truncated answer usually gets the
     "wrong" reward although its reasoning may be sound; DAPO (sec. 3.4) masks its loss
-    instead of punishing it. ``truncated`` is the host's own flag (generation hit the cap
-    without EOS), e.g. ``lengths >= max_len`` when EOS counts in ``lengths`` and the
-    engine stops at ``max_len`` tokens; TRL calls this ``mask_truncated_completions``.
+    instead of punishing it. ``truncated`` is the host's own flag: generation stopped at
+    the cap without EOS (vLLM's ``finish_reason == "length"``). ``lengths >= max_len``
+    over-approximates it by the answers whose EOS was exactly the last allowed token.
+    TRL calls this ``mask_truncated_completions``.
 
     Feed the result to :func:`token_level_loss`. Filtered samples count neither in the
     numerator nor in the denominator (tokens or sequences), and should be left out of

@@ -65,8 +65,8 @@ def token_terms(
             f"[batch, seq]=[{batch}, {seq}] to match {name} {shape_str(logp)}; "
             f"got {shape_str(advantages)}"
         )
-    if not log_ratio_clamp > 0:
-        raise InputError(f"log_ratio_clamp must be > 0, got {log_ratio_clamp}")
+    if not (log_ratio_clamp > 0 and log_ratio_clamp < float("inf")):
+        raise InputError(f"log_ratio_clamp must be finite and > 0, got {log_ratio_clamp}")
     dtype = compute_dtype(logp, old_logp, advantages)
     if mask is None:
         valid = torch.ones_like(logp, dtype=torch.bool)
