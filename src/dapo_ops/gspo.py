@@ -38,7 +38,7 @@ def gspo_sequence_ratio(
         >>> gspo_sequence_ratio(lp, old, torch.ones(1, 2, dtype=torch.bool))
         tensor([2.])
     """
-    valid, log_ratio, _, _ = token_terms(logp, old_logp, torch.zeros_like(logp), mask)
+    valid, log_ratio, _, _ = token_terms(logp, old_logp, None, mask)
     n = valid.sum(dim=-1).to(log_ratio.dtype)
     mean = safe_divide(log_ratio.sum(dim=-1), n)
     return mean.clamp(-SEQUENCE_LOG_RATIO_CLAMP, SEQUENCE_LOG_RATIO_CLAMP).exp()

@@ -51,7 +51,7 @@ def truncated_is_weights(
     if not (cap > 0 and math.isfinite(cap)):
         raise InputError(f"cap must be finite and > 0, got {cap}")
     valid, log_ratio, ratio, _ = token_terms(
-        old_logp, rollout_logp, torch.zeros_like(old_logp), mask, names=("old_logp", "rollout_logp")
+        old_logp, rollout_logp, None, mask, names=("old_logp", "rollout_logp")
     )
     if level == "token":
         weight = ratio.clamp(max=cap)

@@ -47,7 +47,7 @@ def kl_penalty(
     valid, delta, _, _ = token_terms(
         logp,
         ref_logp,
-        torch.zeros_like(logp),
+        None,
         mask,
         log_ratio_clamp=log_ratio_clamp,
         names=("logp", "ref_logp"),

@@ -35,13 +35,13 @@ class TokenTerms(NamedTuple):
     valid: Bool[Tensor, "batch seq"]
     log_ratio: Float[Tensor, "batch seq"]  # clamped, 0 at masked positions
     ratio: Float[Tensor, "batch seq"]  # exp(log_ratio), 1 at masked positions
-    advantages: Float[Tensor, "batch seq"]  # broadcast, 0 at masked positions
+    advantages: Float[Tensor, "batch seq"]  # broadcast, 0 at masked; empty if not given
 
 
 def token_terms(
     logp: Tensor,
     old_logp: Tensor,
-    advantages: Tensor,
+    advantages: Tensor | None,
     mask: Tensor | None,
     *,
     log_ratio_clamp: float = LOG_RATIO_CLAMP,
@@ -51,11 +51,12 @@ def token_terms(
     name, old_name = names
     check_float(name, logp)
     check_float(old_name, old_logp)
-    check_float("advantages", advantages)
     check_ndim(name, logp, 2, "[batch, seq]")
     check_same_shape(old_name, old_logp, name, logp)
     batch, seq = logp.shape
-    if advantages.ndim == 1 and advantages.shape[0] == batch:
+    if advantages is None:  # ratio-only callers (KL, IS weights, GSPO's sequence ratio)
+        adv = logp.new_zeros(0, 0)
+    elif advantages.ndim == 1 and advantages.shape[0] == batch:
         adv = rearrange(advantages, "batch -> batch 1")
     elif advantages.ndim == 2 and advantages.shape[0] == batch and advantages.shape[1] in (1, seq):
         adv = advantages
@@ -67,7 +68,9 @@ def token_terms(
         )
     if not (log_ratio_clamp > 0 and log_ratio_clamp < float("inf")):
         raise InputError(f"log_ratio_clamp must be finite and > 0, got {log_ratio_clamp}")
-    dtype = compute_dtype(logp, old_logp, advantages)
+    if advantages is not None:
+        check_float("advantages", advantages)
+    dtype = compute_dtype(logp, old_logp, adv)
     if mask is None:
         valid = torch.ones_like(logp, dtype=torch.bool)
     else:
@@ -77,7 +80,7 @@ def token_terms(
     # forward value or, through 0 * inf, the gradient.
     log_ratio = torch.where(valid, logp.to(dtype) - old_logp.to(dtype), zero)
     log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)
-    adv_full = torch.where(valid, adv.to(dtype), zero)
+    adv_full = adv.to(dtype) if advantages is None else torch.where(valid, adv.to(dtype), zero)
     return TokenTerms(valid, log_ratio, torch.exp(log_ratio), adv_full)
 
 
