@@ -1,0 +1,24 @@
+// MathJax configuration for pymdownx.arithmatex (generic mode), as in the Material for
+// MkDocs documentation. MathJax itself is loaded from a CDN by the browser when a page is
+// viewed; building the site needs no network.
+window.MathJax = {
+  tex: {
+    inlineMath: [["\\(", "\\)"]],
+    displayMath: [["\\[", "\\]"]],
+    processEscapes: true,
+    processEnvironments: true,
+  },
+  options: {
+    ignoreHtmlClass: ".*|",
+    processHtmlClass: "arithmatex",
+  },
+};
+
+document$.subscribe(() => {
+  if (window.MathJax && MathJax.startup && MathJax.startup.output) {
+    MathJax.startup.output.clearCache();
+    MathJax.typesetClear();
+    MathJax.texReset();
+    MathJax.typesetPromise();
+  }
+});

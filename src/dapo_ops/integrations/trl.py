@@ -1,0 +1,375 @@
+"""TRL integration: dapo_ops' loss inside ``trl.GRPOTrainer``, the overlong penalty as a reward.
+
+- :class:`DapoGRPOTrainer` (built on first access, so importing this module does not import
+  TRL) is a ``trl.GRPOTrainer`` whose ``compute_loss`` calls :func:`dapo_ops.token_level_loss`
+  with the trainer's own settings: ``epsilon`` / ``epsilon_high`` become ``eps_low`` /
+  ``eps_high``, ``loss_type`` picks the aggregation and its normaliser, ``beta`` the k3 KL
+  term (with TRL's ``use_bias_correction_kl``), ``delta`` the dual clip, and vLLM's importance-sampling correction the ``is_weights``.
+  Everything else (generation, rewards, advantages, logging, checkpoints) is TRL's.
+- :class:`OverlongReward` is :func:`dapo_ops.overlong_reward` with the signature TRL expects
+  of a reward function.
+- :func:`trl_policy_loss` is the mapping itself, as a pure function of tensors.
+
+Tested against TRL 1.16 (``tests/integration/test_trl.py``): the loss and its gradient
+equal ``GRPOTrainer``'s own for every supported ``loss_type`` on the same batch.
+
+Example:
+    >>> reward = OverlongReward(max_len=20, cache_len=4)
+    >>> reward(completion_ids=[[7] * 10, [7] * 18, [7] * 20, [7] * 25])
+    [0.0, -0.5, -1.0, -1.0]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dapo_ops._validate import InputError
+from dapo_ops.aggregation import AggregationMode, token_level_aggregate
+from dapo_ops.diagnostics import PolicyDiagnostics
+from dapo_ops.kl import kl_penalty
+from dapo_ops.loss import token_level_loss
+from dapo_ops.rewards import overlong_reward
+from dapo_ops.surrogate import LOG_RATIO_CLAMP
+
+#: TRL ``loss_type`` values reproduced here, and the dapo_ops aggregation of each.
+TRL_LOSS_TYPES: dict[str, AggregationMode] = {
+    "dapo": "token_mean",
+    "bnpo": "token_mean",
+    "grpo": "seq_mean_token_mean",
+    "dr_grpo": "seq_mean_token_sum_norm",
+}
+
+# Model-input keys TRL forwards to ``_get_per_token_logps_and_entropies`` (VLM fields).
+_FORWARD_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
+
+
+def trl_normalizer(
+    loss_type: str,
+    mask: Tensor,
+    *,
+    num_items_in_batch: Tensor | float | None = None,
+    num_processes: int = 1,
+    accumulation_steps: int = 1,
+    steps_per_generation: int = 1,
+    training: bool = True,
+) -> Tensor | float:
+    """The ``normalizer=`` that makes :func:`dapo_ops.token_level_loss` equal TRL's ``loss_type``.
+
+    ``"dapo"``: TRL's ``num_items_in_batch`` is the loss-token count of the whole
+    generation batch over all processes; one accumulation window holds
+    ``accumulation_steps / steps_per_generation`` of it, and DDP averages over processes,
+    so the normaliser is ``N / num_processes * accumulation_steps / steps_per_generation``
+    (``N / num_processes`` in eval). With TRL's default ``steps_per_generation ==
+    gradient_accumulation_steps`` this is exactly :func:`dapo_ops.global_normalizer` over
+    the step's micro-batches. ``"bnpo"``: this micro-batch's token count times the
+    accumulation steps. ``"grpo"`` / ``"dr_grpo"``: all rows of the micro-batch (fully
+    masked ones included) times the accumulation steps. Counts are clamped to >= 1 as TRL
+    does.
+    """
+    if loss_type not in TRL_LOSS_TYPES:
+        raise InputError(f"loss_type must be one of {sorted(TRL_LOSS_TYPES)}, got {loss_type!r}")
+    accum = accumulation_steps if training else 1
+    if loss_type == "dapo":
+        if num_items_in_batch is None:
+            raise InputError(
+                "loss_type='dapo' needs num_items_in_batch (TRL puts it in the inputs)"
+            )
+        total = torch.as_tensor(num_items_in_batch, dtype=torch.float64).clamp(min=1.0)
+        norm = total / num_processes
+        return norm * accumulation_steps / steps_per_generation if training else norm
+    if loss_type == "bnpo":
+        return mask.sum().to(torch.float64).clamp(min=1.0) * accum
+    return float(max(mask.shape[0], 1) * accum)
+
+
+def trl_policy_loss(
+    per_token_logps: Tensor,
+    old_per_token_logps: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    loss_type: str = "dapo",
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.28,
+    num_items_in_batch: Tensor | float | None = None,
+    num_processes: int = 1,
+    accumulation_steps: int = 1,
+    steps_per_generation: int = 1,
+    max_completion_length: int | None = None,
+    training: bool = True,
+    delta: float | None = None,
+    beta: float = 0.0,
+    ref_per_token_logps: Tensor | None = None,
+    use_bias_correction_kl: bool = True,
+    importance_sampling_ratio: Tensor | None = None,
+) -> tuple[Tensor, PolicyDiagnostics]:
+    """``GRPOTrainer``'s policy loss for ``loss_type`` in ``dapo/bnpo/grpo/dr_grpo``, via dapo_ops.
+
+    The arguments are TRL's names: ``per_token_logps`` etc. ``[B, T]``, ``advantages``
+    ``[B]`` or ``[B, T]``, ``mask`` the completion (times tool) mask. ``delta`` (TRL's
+    two-sided clipping) is dapo_ops' ``dual_clip``: identical, value and gradient, for
+    ``delta > 1 + epsilon_high``, as TRL recommends. ``importance_sampling_ratio`` (vLLM
+    correction, ``[B, T]`` or ``[B, 1]``) becomes ``is_weights``. With ``beta != 0`` the
+    per-token k3 KL to ``ref_per_token_logps`` is added, multiplied by the (differentiable)
+    token ratio when ``use_bias_correction_kl`` (TRL's default); the aggregation is linear,
+    so that term is aggregated on its own with the same mode and normaliser. Returns
+    ``(loss, diagnostics)``, the loss already divided for gradient accumulation as TRL's
+    is.
+
+    One deliberate difference: dapo_ops clamps the log-ratio to +-20 before ``exp``
+    (TRL does not), so the two differ only for tokens whose probability moved by a factor
+    above e^20 since sampling, where TRL's value overflows.
+    """
+    if loss_type not in TRL_LOSS_TYPES:
+        raise InputError(
+            f"loss_type={loss_type!r} is not reproduced by dapo_ops; supported: {sorted(TRL_LOSS_TYPES)}"
+        )
+    if delta is not None and not delta > 1.0 + epsilon_high:
+        raise InputError(
+            f"delta={delta} must be > 1 + epsilon_high={1.0 + epsilon_high} to map to dual_clip"
+        )
+    mode = TRL_LOSS_TYPES[loss_type]
+    if loss_type == "dr_grpo" and max_completion_length is None:
+        raise InputError("loss_type='dr_grpo' needs max_completion_length (its constant L)")
+    normalizer = trl_normalizer(
+        loss_type,
+        mask,
+        num_items_in_batch=num_items_in_batch,
+        num_processes=num_processes,
+        accumulation_steps=accumulation_steps,
+        steps_per_generation=steps_per_generation,
+        training=training,
+    )
+    if beta != 0.0 and ref_per_token_logps is None:
+        raise InputError(f"beta={beta} needs ref_per_token_logps")
+    is_weights = None
+    if importance_sampling_ratio is not None:
+        is_weights = importance_sampling_ratio.expand_as(per_token_logps)
+    max_len = max_completion_length if mode == "seq_mean_token_sum_norm" else None
+    kl_in_loss = beta != 0.0 and not use_bias_correction_kl
+    loss, diagnostics = token_level_loss(
+        per_token_logps,
+        old_per_token_logps,
+        advantages,
+        mask,
+        eps_low=epsilon_low,
+        eps_high=epsilon_high,
+        mode=mode,
+        normalizer=normalizer,
+        dual_clip=delta,
+        max_len=max_len,
+        ref_logp=ref_per_token_logps if kl_in_loss else None,
+        kl_beta=beta if kl_in_loss else 0.0,
+        kl_estimator="k3",
+        is_weights=is_weights,
+        return_diagnostics=True,
+    )
+    if beta != 0.0 and ref_per_token_logps is not None and use_bias_correction_kl:
+        kl = kl_penalty(per_token_logps, ref_per_token_logps, mask, estimator="k3")
+        # `where`, not a product: garbage at masked positions must not reach the gradient.
+        delta_logp = torch.where(mask != 0, per_token_logps - old_per_token_logps, 0.0)
+        log_ratio = delta_logp.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        weighted = beta * kl * torch.exp(log_ratio.to(kl.dtype))
+        loss = loss + token_level_aggregate(
+            weighted, mask, mode=mode, normalizer=normalizer, max_len=max_len
+        )
+    return loss, diagnostics
+
+
+class OverlongReward:
+    """DAPO's soft overlong punishment as a TRL reward function (``reward_funcs=[...]``).
+
+    Calls :func:`dapo_ops.overlong_reward` on ``len(ids)`` of each completion (TRL's
+    completion ids end with the EOS token when there is one, so the EOS counts, as in
+    dapo_ops). Equal to ``trl.rewards.get_soft_overlong_punishment(max_len, cache_len)``
+    for ``factor=1``; ``factor`` scales the penalty (verl's ``penalty_factor``). A plain
+    class, so it pickles for TRL's async reward workers.
+    """
+
+    __name__ = "overlong_reward"
+
+    def __init__(self, max_len: int, cache_len: int, factor: float = 1.0) -> None:
+        # Validate the options now rather than at the first reward call.
+        overlong_reward(torch.zeros(0), max_len=max_len, cache_len=cache_len, factor=factor)
+        self.max_len = max_len
+        self.cache_len = cache_len
+        self.factor = factor
+
+    def __call__(self, completion_ids: Sequence[Sequence[int]], **kwargs: Any) -> list[float]:
+        lengths = torch.tensor([len(ids) for ids in completion_ids], dtype=torch.long)
+        penalty = overlong_reward(
+            lengths, max_len=self.max_len, cache_len=self.cache_len, factor=self.factor
+        )
+        return [float(x) for x in penalty.tolist()]
+
+    def __repr__(self) -> str:
+        return (
+            f"OverlongReward(max_len={self.max_len}, cache_len={self.cache_len}, "
+            f"factor={self.factor})"
+        )
+
+
+def unsupported_settings(trainer: Any) -> list[str]:
+    """The trainer settings :class:`DapoGRPOTrainer` does not reproduce (empty when all are)."""
+    args = trainer.args
+    problems = []
+    if trainer.loss_type not in TRL_LOSS_TYPES:
+        problems.append(f"loss_type={trainer.loss_type!r} (supported: {sorted(TRL_LOSS_TYPES)})")
+    if getattr(trainer, "importance_sampling_level", "token") != "token":
+        problems.append(f"importance_sampling_level={trainer.importance_sampling_level!r}")
+    if getattr(trainer, "off_policy_mask_threshold", None) is not None:
+        problems.append("off_policy_mask_threshold")
+    if getattr(trainer, "top_entropy_quantile", 1.0) < 1.0:
+        problems.append("top_entropy_quantile < 1")
+    if getattr(trainer, "_entropy_bonus_enabled", False):
+        problems.append("entropy_coef / use_adaptive_entropy")
+    if getattr(trainer, "aux_loss_enabled", False):
+        problems.append("router_aux_loss_coef (MoE aux loss)")
+    delta = getattr(args, "delta", None)
+    if delta is not None and not delta > 1.0 + trainer.epsilon_high:
+        problems.append(f"delta={delta} <= 1 + epsilon_high")
+    return problems
+
+
+def _check_supported(trainer: Any) -> None:
+    problems = unsupported_settings(trainer)
+    if problems:
+        raise ValueError(
+            f"{type(trainer).__name__} computes the loss with dapo_ops and does not reproduce: "
+            + "; ".join(problems)
+            + ". Use trl.GRPOTrainer for these settings."
+        )
+
+
+def _dapo_compute_loss(trainer: Any, model: Any, inputs: dict[str, Any]) -> Tensor:
+    """``GRPOTrainer._compute_loss`` with the loss itself from :func:`trl_policy_loss`."""
+    _check_supported(trainer)
+    completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+    input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
+    attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)
+    mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+    forward = {key: inputs[key] for key in _FORWARD_KEYS if inputs.get(key) is not None}
+    per_token_logps, entropies, _ = trainer._get_per_token_logps_and_entropies(
+        model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=True, **forward
+    )
+    old = inputs.get("old_per_token_logps")
+    old = per_token_logps.detach() if old is None else old
+    training = bool(trainer.model.training)
+    use_is = bool(trainer.use_vllm and trainer.vllm_importance_sampling_correction)
+    loss, diag = trl_policy_loss(
+        per_token_logps,
+        old,
+        inputs["advantages"],
+        mask,
+        loss_type=trainer.loss_type,
+        epsilon_low=trainer.epsilon_low,
+        epsilon_high=trainer.epsilon_high,
+        num_items_in_batch=inputs.get("num_items_in_batch"),
+        num_processes=trainer.accelerator.num_processes,
+        accumulation_steps=trainer.current_gradient_accumulation_steps,
+        steps_per_generation=trainer.args.steps_per_generation,
+        max_completion_length=trainer.max_completion_length,
+        training=training,
+        delta=getattr(trainer.args, "delta", None),
+        beta=trainer.beta,
+        ref_per_token_logps=inputs.get("ref_per_token_logps"),
+        use_bias_correction_kl=bool(getattr(trainer.args, "use_bias_correction_kl", False)),
+        importance_sampling_ratio=inputs["importance_sampling_ratio"] if use_is else None,
+    )
+    _log_metrics(trainer, "train" if training else "eval", mask, entropies, diag)
+    return loss
+
+
+@torch.no_grad()
+def _log_metrics(
+    trainer: Any, mode: str, mask: Tensor, entropies: Tensor, diag: PolicyDiagnostics
+) -> None:
+    """TRL's entropy and clip-ratio metrics (same names), from dapo_ops' diagnostics."""
+    valid = mask.bool()
+    entropy_sum = torch.where(valid, entropies, torch.zeros_like(entropies)).sum()
+    totals = torch.stack(
+        [
+            entropy_sum.to(torch.float64),
+            diag.valid_tokens,
+            diag.clipped_low,
+            diag.clipped_high,
+        ]
+    )
+    totals = trainer.accelerator.reduce(totals, reduction="sum")
+    count = totals[1].clamp(min=1.0)
+    metrics = trainer._metrics[mode]
+    metrics["entropy"].append(float(totals[0] / count))
+    metrics["clip_ratio/low_mean"].append(float(totals[2] / count))
+    metrics["clip_ratio/high_mean"].append(float(totals[3] / count))
+    metrics["clip_ratio/region_mean"].append(float((totals[2] + totals[3]) / count))
+
+
+def _build_trainer_class() -> type:
+    from trl import GRPOTrainer  # type: ignore[attr-defined]
+
+    class DapoGRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
+        """``trl.GRPOTrainer`` whose policy loss is computed by :func:`dapo_ops.token_level_loss`.
+
+        Same constructor and config as ``GRPOTrainer``. Supported ``loss_type``: ``"dapo"``
+        (default; the global token normaliser), ``"bnpo"``, ``"grpo"``, ``"dr_grpo"``; with
+        ``epsilon``/``epsilon_high`` (Clip-Higher), ``beta`` (k3 KL), ``delta`` (dual clip),
+        ``mask_truncated_completions`` and vLLM importance-sampling correction. Settings it
+        does not reproduce (other loss types, sequence-level importance sampling, entropy
+        masks and bonuses, off-policy masks, MoE aux loss) raise ``ValueError`` at
+        construction.
+        """
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            _check_supported(self)
+
+        def compute_loss(
+            self,
+            model: Any,
+            inputs: dict[str, Any],
+            return_outputs: bool = False,
+            num_items_in_batch: Any = None,
+        ) -> Tensor:
+            if return_outputs:
+                raise ValueError("The GRPOTrainer does not support returning outputs")
+            return _dapo_compute_loss(self, model, inputs)
+
+    # Importable (and picklable) as dapo_ops.integrations.trl.DapoGRPOTrainer.
+    DapoGRPOTrainer.__module__ = __name__
+    DapoGRPOTrainer.__qualname__ = "DapoGRPOTrainer"
+    return DapoGRPOTrainer
+
+
+def __getattr__(name: str) -> Any:
+    """Builds :class:`DapoGRPOTrainer` (importing TRL) on first access."""
+    if name == "DapoGRPOTrainer":
+        cls = _build_trainer_class()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# DapoGRPOTrainer is public too, but built on first access (it needs TRL), so it is not
+# in __all__: ``from dapo_ops.integrations.trl import *`` must work without TRL.
+__all__ = [
+    "TRL_LOSS_TYPES",
+    "OverlongReward",
+    "trl_normalizer",
+    "trl_policy_loss",
+    "unsupported_settings",
+]

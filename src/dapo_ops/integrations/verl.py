@@ -1,0 +1,224 @@
+"""verl integration: dapo_ops' policy loss and GRPO advantage through verl's own registries.
+
+- :func:`compute_policy_loss` has the signature of verl's ``PolicyLossFn`` and is
+  registered as ``actor_rollout_ref.actor.policy_loss.loss_mode=dapo_ops``. It reads the
+  actor config as verl's ``vanilla`` loss does (``clip_ratio_low`` / ``clip_ratio_high``,
+  falling back to ``clip_ratio``; ``clip_ratio_c`` as the dual clip; ``loss_agg_mode``;
+  ``global_batch_info`` for the global token / sequence counts and the dp size;
+  ``loss_scale_factor``) and returns the same metrics.
+- :func:`compute_grpo_outcome_advantage` has the signature of verl's advantage estimators
+  and is registered as ``algorithm.adv_estimator=dapo_ops_grpo``: verl's GRPO advantage
+  (``eps=1e-6`` on the unbiased std, a one-sample group keeps its raw score,
+  ``norm_adv_by_std_in_grpo``) computed by :func:`dapo_ops.group_advantages`, except
+  that a group whose spread is float rounding gets exactly 0.
+- :func:`register` puts both into verl's registries. Importing this module in a process
+  that has imported verl registers them too, so
+  ``VERL_USE_EXTERNAL_MODULES=dapo_ops.integrations.verl`` (which verl imports in every
+  process that imports verl, Ray workers included) is all a verl run needs.
+
+Importing this module does not import verl (nor does ``import dapo_ops``). Tested against
+verl 0.9.1 (``tests/integration/test_verl.py``): equal to verl's ``vanilla`` loss (value,
+gradient, metrics) for every ``loss_agg_mode``, with and without global batch info and
+rollout IS weights, and to ``compute_grpo_outcome_advantage`` on ragged uid layouts.
+
+Example:
+    >>> verl_aggregation("token-mean", {"dp_size": 2, "batch_num_tokens": 30})
+    ('token_mean', tensor(15., dtype=torch.float64), None)
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Hashable, Iterable, Mapping
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from dapo_ops._validate import InputError
+from dapo_ops.advantages import group_advantages
+from dapo_ops.aggregation import AggregationMode
+from dapo_ops.loss import token_level_loss
+from dapo_ops.surrogate import LOG_RATIO_CLAMP
+
+#: The names this module registers under in verl.
+LOSS_NAME = "dapo_ops"
+ADV_ESTIMATOR_NAME = "dapo_ops_grpo"
+
+#: verl's ``loss_agg_mode`` values and the dapo_ops mode that computes each.
+VERL_AGG_MODES: dict[str, AggregationMode] = {
+    "token-mean": "token_mean",
+    "token-sum": "token_mean",  # with normaliser 1 / dp_size
+    "seq-mean-token-mean": "seq_mean_token_mean",
+    "seq-mean-token-sum": "seq_mean_token_sum",
+    "seq-mean-token-sum-norm": "seq_mean_token_sum_norm",
+}
+
+
+def _config_value(config: Any, name: str, default: Any) -> Any:
+    """``config.name`` for verl's ``ActorConfig``, an omegaconf ``DictConfig`` or a dict."""
+    if config is None:
+        return default
+    getter = getattr(config, "get", None)
+    value = getter(name, None) if callable(getter) else getattr(config, name, None)
+    return default if value is None else value
+
+
+def verl_aggregation(
+    loss_agg_mode: str,
+    global_batch_info: Mapping[str, Any] | None = None,
+    loss_scale_factor: int | None = None,
+) -> tuple[AggregationMode, Tensor | float | Literal["local"], int | None]:
+    """``(mode, normalizer, max_len)`` for :func:`dapo_ops.token_level_loss` that give verl's ``agg_loss``.
+
+    verl (0.9) divides a micro-batch's loss sum by the *global* count of the mini-batch
+    (``batch_num_tokens`` for ``token-mean``, ``global_batch_size`` sequences for the
+    ``seq-mean-*`` modes) and multiplies by ``dp_size`` because FSDP averages gradients
+    over ranks: that is dapo_ops' ``normalizer = count / dp_size``, what
+    :func:`dapo_ops.global_normalizer` returns. Without those counts (``dp_size == 1``)
+    verl uses the micro-batch's own count: ``normalizer="local"``. ``token-sum`` is the
+    plain sum times ``dp_size`` (``normalizer = 1 / dp_size``). ``seq-mean-token-sum-norm``
+    divides by ``loss_scale_factor``, else by the padded width (dapo_ops' ``max_len``).
+    """
+    if loss_agg_mode not in VERL_AGG_MODES:
+        raise InputError(
+            f"loss_agg_mode must be one of {sorted(VERL_AGG_MODES)}, got {loss_agg_mode!r}"
+        )
+    info = dict(global_batch_info or {})
+    dp_size = info.get("dp_size") or 1
+    scale = info.get("loss_scale_factor") or loss_scale_factor
+    mode = VERL_AGG_MODES[loss_agg_mode]
+    if loss_agg_mode == "token-sum":
+        return mode, 1.0 / float(dp_size), None
+    count = info.get("batch_num_tokens" if mode == "token_mean" else "global_batch_size")
+    if count is None:
+        if int(dp_size) > 1:
+            raise InputError(
+                f"verl's global_batch_info lacks the global count with dp_size={dp_size}"
+            )
+        normalizer: Tensor | float | Literal["local"] = "local"
+    else:
+        normalizer = torch.as_tensor(count, dtype=torch.float64) / float(dp_size)
+    max_len = int(scale) if mode == "seq_mean_token_sum_norm" and scale is not None else None
+    return mode, normalizer, max_len
+
+
+def compute_policy_loss(
+    old_log_prob: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Any]]:
+    """verl ``PolicyLossFn``: the Clip-Higher (dual-clip) PPO loss by :func:`dapo_ops.token_level_loss`.
+
+    Same arguments and result as verl's ``compute_policy_loss_vanilla``: ``[bs,
+    response_length]`` tensors, ``response_mask`` 0/1 (any dtype), ``config`` the actor
+    config; returns ``(pg_loss, {"actor/pg_clipfrac", "actor/ppo_kl",
+    "actor/pg_clipfrac_lower"})``. Fully masked rows and all-masked micro-batches give 0,
+    not NaN; masked positions may hold anything.
+    """
+    if config is None:
+        raise InputError("compute_policy_loss needs verl's actor config (config=...)")
+    clip_ratio = _config_value(config, "clip_ratio", 0.2)
+    eps_low = float(_config_value(config, "clip_ratio_low", clip_ratio))
+    eps_high = float(_config_value(config, "clip_ratio_high", clip_ratio))
+    dual_clip = float(_config_value(config, "clip_ratio_c", 3.0))
+    mode, normalizer, max_len = verl_aggregation(
+        loss_agg_mode,
+        _config_value(config, "global_batch_info", {}),
+        _config_value(config, "loss_scale_factor", None),
+    )
+    mask = response_mask if response_mask.dtype == torch.bool else response_mask != 0
+    loss, diag = token_level_loss(
+        log_prob,
+        old_log_prob,
+        advantages,
+        mask,
+        eps_low=eps_low,
+        eps_high=eps_high,
+        mode=mode,
+        normalizer=normalizer,
+        dual_clip=dual_clip,
+        max_len=max_len,
+        is_weights=rollout_is_weights,
+        return_diagnostics=True,
+    )
+    with torch.no_grad():  # verl's ppo_kl: the masked mean of old - new (k1)
+        log_ratio = (log_prob - old_log_prob).float().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        neg = torch.where(mask, -log_ratio, torch.zeros_like(log_ratio)).sum()
+        ppo_kl = neg / mask.sum().clamp(min=1)
+    metrics = {
+        "actor/pg_clipfrac": float(diag.clip_frac_low + diag.clip_frac_high),
+        "actor/ppo_kl": float(ppo_kl),
+        "actor/pg_clipfrac_lower": float(diag.clip_frac_dual),
+    }
+    return loss, metrics
+
+
+def compute_grpo_outcome_advantage(
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    index: Iterable[Hashable],
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+    config: Any = None,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor]:
+    """verl advantage estimator: GRPO outcome advantage via :func:`dapo_ops.group_advantages`.
+
+    ``scores = token_level_rewards.sum(-1)`` grouped by ``index`` (verl's ``uid`` array,
+    any hashable values); ``(score - mean) / (std + epsilon)`` with the unbiased std, or
+    ``score - mean`` when ``norm_adv_by_std_in_grpo`` is off (read from ``config``, the
+    algorithm config, when given); a one-sample group keeps its raw score, as in verl.
+    Returns ``(advantages, returns)``, both the advantage broadcast over ``response_mask``.
+    """
+    if config is not None:
+        norm_adv_by_std_in_grpo = bool(
+            _config_value(config, "norm_adv_by_std_in_grpo", norm_adv_by_std_in_grpo)
+        )
+    scores = token_level_rewards.sum(dim=-1)
+    lookup: dict[Hashable, int] = {}
+    ids = [lookup.setdefault(uid, len(lookup)) for uid in index]
+    if len(ids) != scores.shape[0]:
+        raise InputError(f"index has {len(ids)} entries for {scores.shape[0]} responses")
+    group_ids = torch.tensor(ids, dtype=torch.long, device=scores.device)
+    with torch.no_grad():
+        adv = group_advantages(
+            scores,
+            group_ids,
+            scale="group" if norm_adv_by_std_in_grpo else "none",
+            eps=epsilon,
+            singleton="score",
+        )
+        adv = adv.to(scores.dtype).unsqueeze(-1) * response_mask
+    return adv, adv
+
+
+def register(loss_name: str = LOSS_NAME, adv_estimator_name: str = ADV_ESTIMATOR_NAME) -> None:
+    """Register :func:`compute_policy_loss` and :func:`compute_grpo_outcome_advantage` in verl.
+
+    Idempotent (a second call replaces the entries). Imports ``verl.trainer.ppo.core_algos``.
+    """
+    from verl.trainer.ppo import core_algos
+
+    core_algos.register_policy_loss(loss_name)(compute_policy_loss)
+    # register_adv_est refuses a second function under a name (a reloaded module's).
+    core_algos.ADV_ESTIMATOR_REGISTRY.pop(adv_estimator_name, None)
+    core_algos.register_adv_est(adv_estimator_name)(compute_grpo_outcome_advantage)
+
+
+if "verl" in sys.modules:  # imported inside a verl process (e.g. VERL_USE_EXTERNAL_MODULES)
+    register()
+
+__all__ = [
+    "ADV_ESTIMATOR_NAME",
+    "LOSS_NAME",
+    "VERL_AGG_MODES",
+    "compute_grpo_outcome_advantage",
+    "compute_policy_loss",
+    "register",
+    "verl_aggregation",
+]

@@ -1,0 +1,92 @@
+"""The documentation site: API coverage, navigation, and a strict mkdocs build."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import dapo_ops
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+
+
+def documented_names() -> set[str]:
+    """Every ``::: dapo_ops.NAME`` directive in docs/*.md."""
+    names: set[str] = set()
+    for page in DOCS.glob("*.md"):
+        names.update(re.findall(r"^::: dapo_ops\.(\w+)\s*$", page.read_text(), re.M))
+    return names
+
+
+def nav_pages() -> list[str]:
+    text = (ROOT / "mkdocs.yml").read_text()
+    nav = text.split("\nnav:", 1)[1]
+    return re.findall(r"^\s*-\s*[^:\n]+:\s*(\S+\.md)\s*$", nav, re.M)
+
+
+def test_every_public_name_is_in_the_api_docs() -> None:
+    missing = sorted(set(dapo_ops.__all__) - documented_names())
+    assert not missing, f"add '::: dapo_ops.NAME' to docs/api.md for: {missing}"
+
+
+def test_nav_lists_every_page_and_only_existing_pages() -> None:
+    nav = nav_pages()
+    assert "index.md" in nav and "api.md" in nav and "integrations.md" in nav
+    missing_files = [p for p in nav if not (DOCS / p).is_file()]
+    assert not missing_files, f"mkdocs.yml nav names pages that do not exist: {missing_files}"
+    not_in_nav = sorted(p.name for p in DOCS.glob("*.md") if p.name not in nav)
+    assert not not_in_nav, f"add these pages to the nav of mkdocs.yml: {not_in_nav}"
+
+
+def test_griffe_extension_rewrites_rest_constructs() -> None:
+    pytest.importorskip("griffe")
+    spec = importlib.util.spec_from_file_location("griffe_rst", ROOT / "tools" / "griffe_rst.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    doc = (
+        "Sum, see :func:`token_level_loss` and :math:`|S|`.\n\n"
+        ".. math::\n\n    a = \\frac{1}{2}\n\n"
+        "====  =====\nmode  count\n====  =====\n``a``   :math:`|S|`\n====  =====\n\n"
+        "Example:\n    >>> 1 + 1\n    2"
+    )
+    out = module.rst_to_markdown(doc)
+    assert "`token_level_loss`" in out and "$|S|$" in out
+    assert "$$\na = \\frac{1}{2}\n$$" in out
+    assert "| mode | count |" in out and "| ``a`` | $\\vert{}S\\vert{}$ |" in out
+    assert "Examples:\n    >>> 1 + 1" in out
+    assert ".. math::" not in out and ":func:" not in out and ":math:" not in out
+
+
+DOCS_TOOLS = ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python")
+
+
+@pytest.mark.skipif(
+    any(importlib.util.find_spec(m.split(".")[0]) is None for m in DOCS_TOOLS),
+    reason="the docs extra (mkdocs-material, mkdocstrings[python]) is not installed",
+)
+def test_mkdocs_build_strict(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    api = (site / "api" / "index.html").read_text()
+    for name in dapo_ops.__all__:
+        assert f'id="dapo_ops.{name}"' in api, f"{name} was not rendered"
+    for leftover in (".. math::", ":func:`", ":math:`"):
+        assert leftover not in api, f"unconverted reST {leftover!r} in the API page"
+    assert 'class="arithmatex"' in api

@@ -1,0 +1,132 @@
+"""The TRL / verl adapters' pure parts, without TRL or verl installed.
+
+tests/integration/ compares them with the real packages; these tests pin the mappings
+and the masking contract in the default suite.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dapo_ops import InputError, global_normalizer, token_level_loss
+from dapo_ops.integrations import trl as trl_adapter
+from dapo_ops.integrations import verl as verl_adapter
+
+
+def test_importing_the_adapters_imports_no_trainer() -> None:
+    code = (
+        "import sys, dapo_ops.integrations.trl, dapo_ops.integrations.verl; "
+        "loaded = [m for m in ('trl', 'verl', 'transformers') if m in sys.modules]; "
+        "assert not loaded, loaded"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_trl_normalizers() -> None:
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 0]])
+    dapo = trl_adapter.trl_normalizer(
+        "dapo",
+        mask,
+        num_items_in_batch=torch.tensor(24),
+        num_processes=2,
+        accumulation_steps=2,
+        steps_per_generation=4,
+    )
+    assert float(dapo) == 24 / 2 * 2 / 4
+    assert float(trl_adapter.trl_normalizer("bnpo", mask, accumulation_steps=3)) == 3 * 3
+    assert trl_adapter.trl_normalizer("grpo", mask, accumulation_steps=2) == 3 * 2
+    assert trl_adapter.trl_normalizer("dr_grpo", mask, training=False) == 3
+    with pytest.raises(InputError, match="num_items_in_batch"):
+        trl_adapter.trl_normalizer("dapo", mask)
+    with pytest.raises(InputError, match="loss_type"):
+        trl_adapter.trl_normalizer("cispo", mask)
+
+
+def test_trl_dapo_normaliser_is_the_global_normaliser() -> None:
+    micro = [torch.rand(3, 7) > 0.4, torch.rand(5, 4) > 0.4]
+    total = sum(int(m.sum()) for m in micro)
+    norm = trl_adapter.trl_normalizer(
+        "dapo", micro[0], num_items_in_batch=total, accumulation_steps=2, steps_per_generation=2
+    )
+    assert float(norm) == float(global_normalizer(micro))
+
+
+def test_trl_policy_loss_ignores_masked_garbage_with_kl() -> None:
+    torch.manual_seed(0)
+    logp = torch.randn(2, 4, requires_grad=True)
+    old = logp.detach() + 0.3 * torch.randn(2, 4)
+    ref = logp.detach() - 0.2
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0]])
+    old[0, 3], ref[1, 3] = float("nan"), float("inf")
+    loss, _ = trl_adapter.trl_policy_loss(
+        logp, old, torch.tensor([1.0, -1.0]), mask, beta=0.1, ref_per_token_logps=ref,
+        num_items_in_batch=5,
+    )  # fmt: skip
+    loss.backward()
+    assert logp.grad is not None and torch.isfinite(loss)
+    assert bool(torch.isfinite(logp.grad).all()) and not logp.grad[mask == 0].any()
+
+
+def test_trl_delta_is_the_dual_clip() -> None:
+    torch.manual_seed(1)
+    logp, old = torch.randn(4, 6), torch.randn(4, 6)
+    adv, mask = torch.randn(4), torch.ones(4, 6, dtype=torch.bool)
+    loss, _ = trl_adapter.trl_policy_loss(
+        logp, old, adv, mask, loss_type="bnpo", delta=2.0, epsilon_high=0.28
+    )
+    expected = token_level_loss(logp, old, adv, mask, dual_clip=2.0, eps_high=0.28)
+    torch.testing.assert_close(loss, expected)
+    with pytest.raises(InputError, match="delta"):
+        trl_adapter.trl_policy_loss(logp, old, adv, mask, loss_type="bnpo", delta=1.1)
+
+
+def test_overlong_reward_function() -> None:
+    reward = trl_adapter.OverlongReward(max_len=8, cache_len=4, factor=0.5)
+    assert reward(completion_ids=[[1] * 4, [1] * 6, [1] * 9], prompts=None) == [0.0, -0.25, -0.5]
+    assert reward(completion_ids=[]) == []
+    assert reward.__name__ == "overlong_reward"
+    with pytest.raises(InputError, match="cache_len"):
+        trl_adapter.OverlongReward(max_len=8, cache_len=9)
+
+
+@pytest.mark.parametrize(
+    ("agg", "info", "expected"),
+    [
+        ("token-mean", {}, ("token_mean", "local", None)),
+        ("token-mean", {"dp_size": 4, "batch_num_tokens": 100}, ("token_mean", 25.0, None)),
+        ("token-sum", {"dp_size": 4}, ("token_mean", 0.25, None)),
+        ("seq-mean-token-mean", {"dp_size": 2, "global_batch_size": 8}, ("seq_mean_token_mean", 4.0, None)),
+        ("seq-mean-token-sum", {}, ("seq_mean_token_sum", "local", None)),
+        (
+            "seq-mean-token-sum-norm",
+            {"dp_size": 1, "global_batch_size": 3, "loss_scale_factor": 64},
+            ("seq_mean_token_sum_norm", 3.0, 64),
+        ),
+    ],
+)  # fmt: skip
+def test_verl_aggregation(agg: str, info: dict[str, object], expected: tuple[object, ...]) -> None:
+    mode, normalizer, max_len = verl_adapter.verl_aggregation(agg, info)
+    got = (mode, normalizer if isinstance(normalizer, str) else float(normalizer), max_len)
+    assert got == expected
+
+
+def test_verl_aggregation_refuses_a_missing_global_count_under_dp() -> None:
+    with pytest.raises(InputError, match="dp_size"):
+        verl_adapter.verl_aggregation("token-mean", {"dp_size": 2, "batch_num_tokens": None})
+    with pytest.raises(InputError, match="loss_agg_mode"):
+        verl_adapter.verl_aggregation("token-max", {})
+
+
+def test_verl_policy_loss_with_a_plain_dict_config() -> None:
+    torch.manual_seed(2)
+    logp, old, adv = torch.randn(3, 5), torch.randn(3, 5), torch.randn(3, 5)
+    mask = torch.tensor([[1.0] * 5, [1.0, 1.0, 0, 0, 0], [0.0] * 5])
+    config = {"clip_ratio": 0.2, "clip_ratio_high": 0.28, "global_batch_info": {}}
+    loss, metrics = verl_adapter.compute_policy_loss(old, logp, adv, mask, "token-mean", config)
+    expected = token_level_loss(logp, old, adv, mask != 0, eps_high=0.28, dual_clip=3.0)
+    torch.testing.assert_close(loss, expected)
+    assert set(metrics) == {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"}
