@@ -20,6 +20,13 @@ from dapo_ops.distributed import global_normalizer
 from dapo_ops.gspo import gspo_sequence_ratio, gspo_surrogate
 from dapo_ops.importance import truncated_is_weights
 from dapo_ops.kl import kl_penalty
+from dapo_ops.logprobs import (
+    LogpEntropy,
+    fused_logprobs_entropy,
+    token_entropy,
+    token_logprobs,
+    token_logprobs_and_entropy,
+)
 from dapo_ops.loss import token_level_loss
 from dapo_ops.presets import CISPO, DAPO, DR_GRPO, GRPO, GSPO, PRESETS, ObjectivePreset
 from dapo_ops.rewards import overlong_filter, overlong_reward
@@ -37,6 +44,7 @@ __all__ = [
     "PRESETS",
     "BatchDiagnostics",
     "InputError",
+    "LogpEntropy",
     "ObjectivePreset",
     "PartialLoss",
     "PolicyDiagnostics",
@@ -45,6 +53,7 @@ __all__ = [
     "cispo_surrogate",
     "clip_higher_surrogate",
     "dynamic_sample_mask",
+    "fused_logprobs_entropy",
     "global_normalizer",
     "group_advantages",
     "gspo_sequence_ratio",
@@ -55,7 +64,10 @@ __all__ = [
     "overlong_reward",
     "policy_diagnostics",
     "prompts_to_generate",
+    "token_entropy",
     "token_level_aggregate",
     "token_level_loss",
+    "token_logprobs",
+    "token_logprobs_and_entropy",
     "truncated_is_weights",
 ]

@@ -99,10 +99,7 @@ def aggregate_partial(
     check_ndim("per_token_loss", per_token_loss, 2, "[batch, seq]")
     valid = as_bool_mask("mask", mask, "per_token_loss", per_token_loss)
     check_option("mode", mode, AGGREGATION_MODES)
-    if max_len is not None and (
-        isinstance(max_len, bool) or not isinstance(max_len, int) or max_len <= 0
-    ):
-        raise InputError(f"max_len must be a positive int, got {max_len!r}")
+    check_max_len(max_len)
     dtype = torch.float64 if per_token_loss.dtype == torch.float64 else torch.float32
     loss = torch.where(valid, per_token_loss.to(dtype), per_token_loss.new_zeros((), dtype=dtype))
     if mode == "token_mean":
@@ -165,6 +162,24 @@ def token_level_aggregate(
         tensor(1.)
     """
     part = aggregate_partial(per_token_loss, mask, mode=mode, max_len=max_len)
+    given = check_normalizer(normalizer)
+    return safe_divide(part.numerator, part.denominator if given is None else given)
+
+
+def check_max_len(max_len: int | None) -> None:
+    if max_len is not None and (
+        isinstance(max_len, bool) or not isinstance(max_len, int) or max_len <= 0
+    ):
+        raise InputError(f"max_len must be a positive int, got {max_len!r}")
+
+
+def check_normalizer(normalizer: object) -> Tensor | float | None:
+    """Validate ``normalizer``; return it, or None when the local count is to be used.
+
+    The local count (``None``) is refused under a multi-rank ``torch.distributed``;
+    ``"local"`` opts in to it explicitly. Tensor values are not inspected (that would
+    sync with the device).
+    """
     if normalizer is None or isinstance(normalizer, str):
         if isinstance(normalizer, str) and normalizer != "local":
             raise InputError(
@@ -172,7 +187,7 @@ def token_level_aggregate(
             )
         if normalizer is None:
             _refuse_local_count_under_distributed()
-        return safe_divide(part.numerator, part.denominator)
+        return None
     if isinstance(normalizer, Tensor):
         if normalizer.ndim != 0:
             raise InputError(
@@ -184,7 +199,7 @@ def token_level_aggregate(
         raise InputError(f"normalizer must be a number or a 0-dim tensor, got {normalizer!r}")
     elif not normalizer > 0:
         raise InputError(f"normalizer must be > 0, got {normalizer}")
-    return safe_divide(part.numerator, normalizer)
+    return normalizer  # type: ignore[return-value]
 
 
 def _refuse_local_count_under_distributed() -> None:

@@ -38,7 +38,7 @@ class TokenTerms(NamedTuple):
     advantages: Float[Tensor, "batch seq"]  # broadcast, 0 at masked; empty if not given
 
 
-def token_terms(
+def policy_inputs(
     logp: Tensor,
     old_logp: Tensor,
     advantages: Tensor | None,
@@ -46,8 +46,9 @@ def token_terms(
     *,
     log_ratio_clamp: float = LOG_RATIO_CLAMP,
     names: tuple[str, str] = ("logp", "old_logp"),
-) -> TokenTerms:
-    """Check inputs, broadcast advantages and build the masked, clamped token ratio."""
+) -> tuple[Tensor, Tensor, torch.dtype]:
+    """Check the per-token inputs; return advantages as ``[batch, 1|seq]``, the bool mask
+    and the compute dtype. Metadata only: no host sync, compile-friendly."""
     name, old_name = names
     check_float(name, logp)
     check_float(old_name, old_logp)
@@ -70,11 +71,26 @@ def token_terms(
         raise InputError(f"log_ratio_clamp must be finite and > 0, got {log_ratio_clamp}")
     if advantages is not None:
         check_float("advantages", advantages)
-    dtype = compute_dtype(logp, old_logp, adv)
     if mask is None:
         valid = torch.ones_like(logp, dtype=torch.bool)
     else:
         valid = as_bool_mask("mask", mask, name, logp)
+    return adv, valid, compute_dtype(logp, old_logp, adv)
+
+
+def token_terms(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor | None,
+    mask: Tensor | None,
+    *,
+    log_ratio_clamp: float = LOG_RATIO_CLAMP,
+    names: tuple[str, str] = ("logp", "old_logp"),
+) -> TokenTerms:
+    """Check inputs, broadcast advantages and build the masked, clamped token ratio."""
+    adv, valid, dtype = policy_inputs(
+        logp, old_logp, advantages, mask, log_ratio_clamp=log_ratio_clamp, names=names
+    )
     zero = logp.new_zeros((), dtype=dtype)
     # `where`, never a multiplication: NaN/inf at masked positions must not reach the
     # forward value or, through 0 * inf, the gradient.

@@ -1,0 +1,333 @@
+"""Peer-style reference implementations, written for this benchmark.
+
+Each function mirrors, op for op, the code path a peer trainer runs for the same job, so
+the benchmark measures what a user of that trainer pays. They are our own code, written
+from the peers' published algorithms and code structure; nothing is imported from (or
+copied out of) verl or TRL, which are not installed here.
+
+Mirrored versions:
+
+- verl 0.4.x - 0.5.x, ``verl/trainer/ppo/core_algos.py``: ``compute_policy_loss``
+  (``compute_policy_loss_vanilla``, always with the dual clip ``clip_ratio_c``) and
+  ``agg_loss``; ``verl/utils/torch_functional.py``: ``masked_mean``
+  (``(x * mask).sum() / (mask.sum() + 1e-8)``, the 0.4 form); the actor's
+  ``.detach().item()`` of pg_loss, pg_clipfrac, ppo_kl and pg_clipfrac_lower
+  (``verl/workers/actor/dp_actor.py``); ``compute_grpo_outcome_advantage`` (the
+  defaultdict-of-lists loop over the ``uid`` array); the DAPO trainer's
+  ``filter_groups`` loop (``recipe/dapo/dapo_ray_trainer.py``) and the DAPO reward
+  manager's overlong-buffer penalty (``verl/workers/reward_manager/dapo.py``).
+- TRL 0.19 - 0.21, ``trl/trainer/grpo_trainer.py``: ``GRPOTrainer._compute_loss``
+  (``beta = 0``, ``loss_type="dapo"``/``"bnpo"``, with the clip-ratio metrics and their
+  ``.item()`` calls) and the group-advantage block of ``_generate_and_score_completions``;
+  ``trl/rewards``: ``get_soft_overlong_punishment``.
+
+Semantics are the peers', not dapo_ops' (e.g. verl adds 1e-8 to the token count and
+1e-6 to the std, TRL adds 1e-4 to the std and never clamps the log-ratio); the benchmark
+checks that every reference agrees with dapo_ops on its inputs to within those
+differences before timing it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+# --------------------------------------------------------------------------------------
+# verl: policy loss, aggregation, metrics
+# --------------------------------------------------------------------------------------
+
+
+def verl_masked_mean(values: Tensor, mask: Tensor, axis: int | None = None) -> Tensor:
+    if axis is None:
+        return (values * mask).sum() / (mask.sum() + 1e-8)
+    return (values * mask).sum(dim=axis) / (mask.sum(dim=axis) + 1e-8)
+
+
+def verl_agg_loss(loss_mat: Tensor, loss_mask: Tensor, loss_agg_mode: str) -> Tensor:
+    if loss_agg_mode == "token-mean":
+        return verl_masked_mean(loss_mat, loss_mask)
+    seq_losses = torch.sum(loss_mat * loss_mask, dim=-1)
+    if loss_agg_mode == "seq-mean-token-sum":
+        return torch.mean(seq_losses)
+    if loss_agg_mode == "seq-mean-token-mean":
+        return torch.mean(seq_losses / torch.sum(loss_mask, dim=-1))
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        return torch.sum(seq_losses) / loss_mask.shape[-1]
+    raise ValueError(loss_agg_mode)
+
+
+def verl_compute_policy_loss(
+    old_log_prob: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    cliprange_low: float = 0.2,
+    cliprange_high: float = 0.28,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """verl's vanilla PPO policy loss (dual clip always on) with its three metrics."""
+    negative_approx_kl = log_prob - old_log_prob
+    negative_approx_kl = torch.clamp(negative_approx_kl, min=-20.0, max=20.0)
+    ratio = torch.exp(negative_approx_kl)
+    ppo_kl = verl_masked_mean(-negative_approx_kl, response_mask)
+
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - cliprange_low, 1 + cliprange_high)
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+    pg_clipfrac = verl_masked_mean(torch.gt(pg_losses2, pg_losses1).float(), response_mask)
+
+    pg_losses3 = -advantages * clip_ratio_c
+    clip_pg_losses2 = torch.min(pg_losses3, clip_pg_losses1)
+    pg_clipfrac_lower = verl_masked_mean(
+        torch.gt(clip_pg_losses1, pg_losses3) * (advantages < 0).float(), response_mask
+    )
+
+    pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
+    pg_loss = verl_agg_loss(pg_losses, response_mask, loss_agg_mode)
+    return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
+
+
+def verl_per_token_loss(
+    old_log_prob: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    cliprange_low: float = 0.2,
+    cliprange_high: float = 0.28,
+    clip_ratio_c: float = 3.0,
+) -> Tensor:
+    """The elementwise part of verl's policy loss alone (no metrics, no aggregation)."""
+    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    ratio = torch.exp(negative_approx_kl)
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - cliprange_low, 1 + cliprange_high)
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+    clip_pg_losses2 = torch.min(-advantages * clip_ratio_c, clip_pg_losses1)
+    return torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
+
+
+def verl_actor_step(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    backward: bool = True,
+    gradient_accumulation: int = 1,
+) -> dict[str, float]:
+    """One micro-batch of verl's actor update: loss, backward, the four ``.item()`` metrics."""
+    pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = verl_compute_policy_loss(
+        old_log_prob, log_prob, advantages, response_mask
+    )
+    loss = pg_loss / gradient_accumulation
+    if backward:
+        loss.backward()
+    return {
+        "actor/pg_loss": pg_loss.detach().item(),
+        "actor/pg_clipfrac": pg_clipfrac.detach().item(),
+        "actor/ppo_kl": ppo_kl.detach().item(),
+        "actor/pg_clipfrac_lower": pg_clipfrac_lower.detach().item(),
+    }
+
+
+def verl_metrics_only(
+    log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, response_mask: Tensor
+) -> dict[str, float]:
+    """verl's three policy metrics (the part of compute_policy_loss that is not the loss)."""
+    with torch.no_grad():
+        negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+        ratio = torch.exp(negative_approx_kl)
+        ppo_kl = verl_masked_mean(-negative_approx_kl, response_mask)
+        pg_losses1 = -advantages * ratio
+        pg_losses2 = -advantages * torch.clamp(ratio, 0.8, 1.28)
+        clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+        pg_clipfrac = verl_masked_mean(torch.gt(pg_losses2, pg_losses1).float(), response_mask)
+        pg_clipfrac_lower = verl_masked_mean(
+            torch.gt(clip_pg_losses1, -advantages * 3.0) * (advantages < 0).float(),
+            response_mask,
+        )
+    return {
+        "actor/pg_clipfrac": pg_clipfrac.item(),
+        "actor/ppo_kl": ppo_kl.item(),
+        "actor/pg_clipfrac_lower": pg_clipfrac_lower.item(),
+    }
+
+
+# --------------------------------------------------------------------------------------
+# TRL: GRPOTrainer._compute_loss (beta = 0) and its clip metrics
+# --------------------------------------------------------------------------------------
+
+
+def _nanmin(t: Tensor) -> Tensor:
+    return torch.min(t[~torch.isnan(t)]) if not torch.isnan(t).all() else t.new_tensor(np.nan)
+
+
+def _nanmax(t: Tensor) -> Tensor:
+    return torch.max(t[~torch.isnan(t)]) if not torch.isnan(t).all() else t.new_tensor(np.nan)
+
+
+def trl_compute_loss(
+    per_token_logps: Tensor,
+    old_per_token_logps: Tensor,
+    advantages: Tensor,
+    completion_mask: Tensor,
+    *,
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.28,
+    loss_type: str = "dapo",
+    num_items_in_batch: Tensor | None = None,
+    num_processes: int = 1,
+    metrics: dict[str, list[float]] | None = None,
+) -> Tensor:
+    """TRL's GRPO loss for ``beta = 0`` with its clip-ratio metrics (``advantages [B]``)."""
+    coef_1 = torch.exp(per_token_logps - old_per_token_logps)
+    coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
+    per_token_loss1 = coef_1 * advantages.unsqueeze(1)
+    per_token_loss2 = coef_2 * advantages.unsqueeze(1)
+    per_token_loss = -torch.min(per_token_loss1, per_token_loss2)
+    if loss_type == "grpo":
+        loss = (
+            (per_token_loss * completion_mask).sum(-1) / completion_mask.sum(-1).clamp(min=1.0)
+        ).mean()
+    elif loss_type == "bnpo":
+        loss = (per_token_loss * completion_mask).sum() / completion_mask.sum().clamp(min=1.0)
+    elif loss_type == "dapo":
+        assert num_items_in_batch is not None
+        normalizer = num_items_in_batch / num_processes
+        loss = (per_token_loss * completion_mask).sum() / normalizer
+    else:
+        raise ValueError(loss_type)
+
+    if metrics is not None:
+        completion_token_count = completion_mask.sum().clamp(min=1.0)
+
+        def masked_batch_mean(x: Tensor) -> Tensor:
+            return (x * completion_mask).sum() / completion_token_count
+
+        is_low_clipped = (coef_1 < 1 - epsilon_low) & (advantages.unsqueeze(1) < 0)
+        is_high_clipped = (coef_1 > 1 + epsilon_high) & (advantages.unsqueeze(1) > 0)
+        is_region_clipped = is_low_clipped | is_high_clipped
+        low_clip = masked_batch_mean(is_low_clipped.float())
+        high_clip = masked_batch_mean(is_high_clipped.float())
+        clip_ratio = masked_batch_mean(is_region_clipped.float())
+        gathered_low = low_clip[None]  # accelerator.gather on one process
+        gathered_high = high_clip[None]
+        gathered_region = clip_ratio[None]
+        metrics.setdefault("clip_ratio/low_mean", []).append(gathered_low.nanmean().item())
+        metrics.setdefault("clip_ratio/low_min", []).append(_nanmin(gathered_low).item())
+        metrics.setdefault("clip_ratio/high_mean", []).append(gathered_high.nanmean().item())
+        metrics.setdefault("clip_ratio/high_max", []).append(_nanmax(gathered_high).item())
+        metrics.setdefault("clip_ratio/region_mean", []).append(gathered_region.nanmean().item())
+    return loss
+
+
+# --------------------------------------------------------------------------------------
+# Advantages, dynamic sampling, overlong penalty, normaliser
+# --------------------------------------------------------------------------------------
+
+
+def verl_grpo_outcome_advantage(
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    index: np.ndarray[Any, Any],
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> Tensor:
+    """verl's GRPO advantage: a Python loop over samples and over the uid groups."""
+    scores = token_level_rewards.sum(dim=-1)
+    id2score: defaultdict[Any, list[Tensor]] = defaultdict(list)
+    id2mean: dict[Any, Tensor] = {}
+    id2std: dict[Any, Tensor] = {}
+    with torch.no_grad():
+        bsz = scores.shape[0]
+        for i in range(bsz):
+            id2score[index[i]].append(scores[i])
+        for idx in id2score:
+            if len(id2score[idx]) == 1:
+                id2mean[idx] = torch.tensor(0.0)
+                id2std[idx] = torch.tensor(1.0)
+            else:
+                scores_tensor = torch.stack(id2score[idx])
+                id2mean[idx] = torch.mean(scores_tensor)
+                id2std[idx] = torch.std(scores_tensor)
+        for i in range(bsz):
+            if norm_adv_by_std_in_grpo:
+                scores[i] = (scores[i] - id2mean[index[i]]) / (id2std[index[i]] + epsilon)
+            else:
+                scores[i] = scores[i] - id2mean[index[i]]
+        scores = scores.unsqueeze(-1) * response_mask
+    return scores
+
+
+def trl_group_advantages(
+    rewards: Tensor, num_generations: int, scale_rewards: bool = True
+) -> Tensor:
+    """TRL's dense group advantage (fixed group size, contiguous groups)."""
+    mean_grouped_rewards = rewards.view(-1, num_generations).mean(dim=1)
+    std_grouped_rewards = rewards.view(-1, num_generations).std(dim=1)
+    mean_grouped_rewards = mean_grouped_rewards.repeat_interleave(num_generations, dim=0)
+    std_grouped_rewards = std_grouped_rewards.repeat_interleave(num_generations, dim=0)
+    advantages = rewards - mean_grouped_rewards
+    if scale_rewards:
+        advantages = advantages / (std_grouped_rewards + 1e-4)
+    return advantages
+
+
+def verl_filter_groups(uids: np.ndarray[Any, Any], metric: np.ndarray[Any, Any]) -> list[int]:
+    """verl DAPO's dynamic sampling: kept trajectory indices (groups with std > 0)."""
+    prompt_uid2metric_vals: defaultdict[Any, list[Any]] = defaultdict(list)
+    for uid, metric_val in zip(uids, metric, strict=True):
+        prompt_uid2metric_vals[uid].append(metric_val)
+    prompt_uid2metric_std = {}
+    for prompt_uid, metric_vals in prompt_uid2metric_vals.items():
+        prompt_uid2metric_std[prompt_uid] = np.std(metric_vals)
+    kept_prompt_uids = [
+        uid
+        for uid, std in prompt_uid2metric_std.items()
+        if std > 0 or len(prompt_uid2metric_vals[uid]) == 1
+    ]
+    kept_traj_idxs = []
+    for idx, traj_from_prompt_uid in enumerate(uids):
+        if traj_from_prompt_uid in kept_prompt_uids:  # list membership, as in verl
+            kept_traj_idxs.append(idx)
+    return kept_traj_idxs
+
+
+def verl_overlong_penalty(
+    valid_response_lengths: Tensor, max_resp_len: int, overlong_buffer_len: int, factor: float
+) -> Tensor:
+    """verl DAPO reward manager: the overlong-buffer penalty, one sample at a time."""
+    rewards = torch.zeros(valid_response_lengths.shape[0], dtype=torch.float32)
+    expected_len = max_resp_len - overlong_buffer_len
+    for i in range(len(valid_response_lengths)):
+        valid_response_length = valid_response_lengths[i]
+        exceed_len = valid_response_length - expected_len
+        overlong_reward = min(-exceed_len / overlong_buffer_len * factor, 0)
+        rewards[i] = rewards[i] + overlong_reward
+    return rewards
+
+
+def trl_soft_overlong_punishment(
+    completion_lengths: list[int], max_completion_len: int, soft_punish_cache: int
+) -> Tensor:
+    """TRL's soft overlong reward function (a list comprehension over completions)."""
+    rewards = []
+    for completion_length in completion_lengths:
+        if completion_length <= max_completion_len - soft_punish_cache:
+            rewards.append(0.0)
+        elif max_completion_len - soft_punish_cache < completion_length <= max_completion_len:
+            rewards.append(
+                (max_completion_len - soft_punish_cache - completion_length) / soft_punish_cache
+            )
+        else:
+            rewards.append(-1.0)
+    return torch.tensor(rewards, dtype=torch.float32)
+
+
+def trl_num_items_in_batch(masks: list[Tensor]) -> int:
+    """A trainer's token count over gradient-accumulation micro-batches (host int)."""
+    return int(sum(int(m.sum().item()) for m in masks))

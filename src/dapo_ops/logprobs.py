@@ -1,0 +1,674 @@
+r"""Token log-probs and entropy without the ``[tokens, vocab]`` float32 copies.
+
+The policy loss needs, for every response token, :math:`\log\pi(y_t)` and often the
+entropy :math:`H_t` of the next-token distribution. The usual code
+(``logits.float().log_softmax(-1).gather(...)``, ``-(p * logp).sum(-1)``) materialises
+several ``[tokens, vocab]`` float32 tensors on top of the logits, and autograd keeps them
+for the backward pass. The functions here work on blocks of at most ``chunk_size`` rows:
+
+- :func:`token_logprobs`, :func:`token_entropy`, :func:`token_logprobs_and_entropy` take
+  the logits; they save only a reference to them (plus the log-sum-exp and the entropy,
+  one float each per row, when the entropy is computed) and recompute each block's
+  softmax in backward.
+  ``inplace_backward=True`` writes the gradient into the logits buffer itself.
+- :func:`fused_logprobs_entropy` takes the last hidden states and the output projection:
+  the logits exist one block at a time, in forward and in backward.
+
+Softmax math runs in float32 per block (float64 for float64 input); outputs are float32
+(float64); gradients come back in the input dtype. The derivation and the memory
+accounting are in ``docs/logprobs.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+from jaxtyping import Float, Integer
+from torch import Tensor
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+from dapo_ops._validate import InputError, is_compiling, shape_str
+
+#: Default block sizes, in logits *elements* per block (``chunk_size=None`` means
+#: ``max(1, elements // vocab)`` rows). On CPU, 2**22 elements (16 MiB of float32; 27 rows
+#: at vocab 152064): small enough to stay in cache between the passes over a block, large
+#: enough that the per-op thread synchronisation stays negligible; on GPUs, 2**24 elements
+#: keep kernel launches from dominating.
+DEFAULT_CHUNK_ELEMENTS = {"cpu": 2**22, "other": 2**24}
+
+#: Same for :func:`fused_logprobs_entropy`, larger so that each block's matmuls stay
+#: efficient and the weight gradient is accumulated over few blocks: 2**25 elements
+#: (220 rows at vocab 152064) on CPU, 2**27 (882 rows) on GPUs.
+DEFAULT_FUSED_CHUNK_ELEMENTS = {"cpu": 2**25, "other": 2**27}
+
+#: ``log p`` is floored here before ``p * log p`` is formed. ``exp`` of anything below it
+#: is exactly 0 in float32 and float64, so no result changes; it only turns the
+#: ``0 * (-inf)`` of a ``-inf`` logit (a masked vocabulary entry) into ``0 * finite``.
+LOGP_FLOOR = -1.0e4
+
+
+class LogpEntropy(NamedTuple):
+    """Per-token log-prob of the chosen token and entropy of the distribution (nats)."""
+
+    logp: Float[Tensor, " tokens"] | Float[Tensor, "batch seq"]
+    entropy: Float[Tensor, " tokens"] | Float[Tensor, "batch seq"]
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check_options(temperature: float, chunk_size: int | None) -> None:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise InputError(f"temperature must be a float > 0, got {type(temperature).__name__}")
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise InputError(f"temperature must be a finite number > 0, got {temperature}")
+    if chunk_size is not None:
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+            raise InputError(f"chunk_size must be an int >= 1 or None, got {chunk_size!r}")
+        if chunk_size < 1:
+            raise InputError(f"chunk_size must be >= 1 (or None for the default), got {chunk_size}")
+
+
+def _check_float_tensor(name: str, t: object) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.dtype.is_floating_point:
+        raise InputError(
+            f"{name} must be a floating-point tensor (float16, bfloat16, float32 or float64), "
+            f"got {t.dtype}"
+        )
+    return t
+
+
+def _check_tokens(tokens: object, rows_shape: torch.Size, ref: str, vocab: int) -> Tensor:
+    """Dtype and shape of ``tokens``, then the id range (one host sync, eager only)."""
+    if not isinstance(tokens, Tensor):
+        raise InputError(f"tokens must be a torch.Tensor, got {type(tokens).__name__}")
+    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        raise InputError(f"tokens must be an integer tensor of token ids, got {tokens.dtype}")
+    if tokens.shape != rows_shape:
+        want = "[" + ", ".join(str(s) for s in rows_shape) + "]"
+        raise InputError(
+            f"tokens must have shape {want} ({ref} without its last dim), got {shape_str(tokens)}"
+        )
+    if is_compiling() or tokens.numel() == 0:
+        return tokens
+    lo_hi = torch.stack(torch.aminmax(tokens)).tolist()  # value check: one host sync
+    if lo_hi[0] < 0 or lo_hi[1] >= vocab:
+        raise InputError(
+            f"tokens must hold ids in [0, vocab) = [0, {vocab}); got values in "
+            f"[{lo_hi[0]}, {lo_hi[1]}] (replace ignore labels such as -100 by any valid id "
+            "and mask those positions in the loss)"
+        )
+    return tokens
+
+
+def _check_logits(logits: object) -> Tensor:
+    t = _check_float_tensor("logits", logits)
+    if t.ndim not in (2, 3):
+        raise InputError(
+            f"logits must have shape [tokens, vocab] or [batch, seq, vocab], got {shape_str(t)}"
+        )
+    if t.shape[-1] < 1:
+        raise InputError(f"logits must have a vocab dimension >= 1, got {shape_str(t)}")
+    return t
+
+
+def _auto_chunk(
+    chunk_size: int | None, vocab: int, device: torch.device, elements: dict[str, int]
+) -> int:
+    if chunk_size is not None:
+        return chunk_size
+    return max(1, elements["cpu" if device.type == "cpu" else "other"] // vocab)
+
+
+# --------------------------------------------------------------------------- blocks
+
+
+def _flattens(x: Tensor) -> bool:
+    """Whether ``x`` ([rows, vocab] or [batch, seq, vocab]) views as [rows, vocab] without a copy."""
+    if x.ndim == 2:
+        return True
+    batch, seq, _ = x.shape
+    return batch == 1 or seq == 1 or x.stride(0) == seq * x.stride(1)
+
+
+def _blocks(x: Tensor, chunk: int) -> list[tuple[int, int, Tensor]]:
+    """``(start, stop, view)`` for consecutive blocks of at most ``chunk`` rows, no copy.
+
+    Rows are numbered in row-major order over the leading dims. A [batch, seq, vocab]
+    tensor whose leading dims cannot be merged into one view (e.g. ``logits[:, :-1]``) is
+    split per sequence, so that each block is still a view.
+    """
+    vocab = x.shape[-1]
+    if _flattens(x):
+        flat = x.view(-1, vocab)
+        rows = flat.shape[0]
+        return [(s, min(s + chunk, rows), flat[s : s + chunk]) for s in range(0, rows, chunk)]
+    batch, seq, _ = x.shape
+    out = []
+    for b in range(batch):
+        for s in range(0, seq, chunk):
+            stop = min(s + chunk, seq)
+            out.append((b * seq + s, b * seq + stop, x[b, s:stop]))
+    return out
+
+
+# --------------------------------------------------------------------------- block math
+
+
+def _scaled(z: Tensor, owned: bool, temperature: float, cdt: torch.dtype) -> tuple[Tensor, bool]:
+    """``z / temperature`` in ``cdt``; ``owned`` says whether the result may be overwritten."""
+    if z.dtype != cdt:
+        z, owned = z.to(cdt), True
+    if temperature != 1.0:
+        z = z.div_(temperature) if owned else z / temperature
+        owned = True
+    return z, owned
+
+
+def _block_forward(
+    z: Tensor,
+    owned: bool,
+    tok: Tensor | None,
+    temperature: float,
+    cdt: torch.dtype,
+    want_entropy: bool,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """``(lse, logp, entropy)`` of one [rows, vocab] block; lse/entropy only with entropy."""
+    zf, owned = _scaled(z, owned, temperature, cdt)
+    del z  # a low-precision block is freed once upcast
+    if not want_entropy:  # log-probs only: one fused log_softmax pass, no lse needed later
+        assert tok is not None
+        return None, torch.log_softmax(zf, dim=1).gather(1, tok.unsqueeze(1)).squeeze(1), None
+    picked = zf.gather(1, tok.unsqueeze(1)).squeeze(1) if tok is not None else None
+    top = zf.amax(dim=1, keepdim=True)
+    shifted = zf.sub_(top) if owned else zf - top  # z - max <= 0
+    shifted.clamp_(min=LOGP_FLOOR)
+    e = torch.exp(shifted)
+    sum_e = e.sum(dim=1)
+    dot = e.mul_(shifted).sum(dim=1)  # sum_v e_v (z_v - max)
+    log_sum = torch.log(sum_e)
+    lse = top.squeeze(1) + log_sum
+    entropy = log_sum - dot / sum_e  # H = lse - sum p z, shifted by max
+    return lse, (None if picked is None else picked - lse), entropy
+
+
+def _block_backward(
+    z: Tensor,
+    owned: bool,
+    tok: Tensor | None,
+    lse: Tensor,
+    entropy: Tensor | None,
+    a: Tensor | None,
+    b: Tensor | None,
+    temperature: float,
+    cdt: torch.dtype,
+    out: Tensor | None = None,
+) -> Tensor:
+    """Gradient w.r.t. the raw logits of one block, in ``cdt``, or written into ``out``.
+
+    ``a = dL/dlogp / T`` and ``b = dL/dH / T`` per row (None when no gradient flows):
+    ``dL/dx = a * (onehot(y) - p) - b * p * (log p + H)``.
+    """
+    zf, owned = _scaled(z, owned, temperature, cdt)
+    del z  # a low-precision block is freed once upcast
+    prob = torch.softmax(zf, dim=1)  # = exp(z/T - lse), one fused pass
+    if b is None:
+        assert a is not None
+        coef = -a.unsqueeze(1)
+    else:
+        assert entropy is not None
+        logp = zf.sub_(lse.unsqueeze(1)) if owned else zf - lse.unsqueeze(1)
+        logp.clamp_(min=LOGP_FLOOR)
+        coef = logp.add_(entropy.unsqueeze(1)).mul_(-b.unsqueeze(1))  # -b (log p + H)
+        if a is not None:
+            coef.sub_(a.unsqueeze(1))
+    # Write the product straight into the gradient buffer when dtypes agree (eager only:
+    # ``out=`` into a view is kept out of compiled graphs).
+    direct = out is not None and out.dtype == cdt and not is_compiling()
+    grad = torch.mul(prob, coef, out=out) if direct else prob.mul_(coef)
+    if a is not None:
+        assert tok is not None
+        grad.scatter_add_(1, tok.unsqueeze(1), a.unsqueeze(1))
+    if out is not None and not direct:
+        out.copy_(grad)
+        return out
+    return grad
+
+
+def _row_coefs(
+    grad_logp: Tensor | None, grad_entropy: Tensor | None, temperature: float, cdt: torch.dtype
+) -> tuple[Tensor | None, Tensor | None]:
+    a = None if grad_logp is None else grad_logp.reshape(-1).to(cdt) / temperature
+    b = None if grad_entropy is None else grad_entropy.reshape(-1).to(cdt) / temperature
+    return a, b
+
+
+# --------------------------------------------------------------------------- from logits
+
+
+class _LogitsLogpEntropy(torch.autograd.Function):
+    """(logp, entropy) from logits, one block of rows at a time; see token_logprobs."""
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        logits: Tensor,
+        tokens: Tensor | None,
+        temperature: float,
+        chunk: int,
+        want_entropy: bool,
+        inplace: bool,
+    ) -> tuple[Tensor, Tensor]:
+        cdt = _compute_dtype(logits.dtype)
+        rows = logits.numel() // logits.shape[-1]
+        # lse and entropy feed the entropy gradient only; log-probs alone need neither
+        lse = logits.new_empty(rows if want_entropy else 0, dtype=cdt)
+        logp = logits.new_empty(rows if tokens is not None else 0, dtype=cdt)
+        entropy = logits.new_empty(rows if want_entropy else 0, dtype=cdt)
+        for start, stop, block in _blocks(logits, chunk):
+            tok = None if tokens is None else tokens[start:stop]
+            b_lse, b_logp, b_ent = _block_forward(block, False, tok, temperature, cdt, want_entropy)
+            if b_lse is not None:
+                lse[start:stop] = b_lse
+            if b_logp is not None:
+                logp[start:stop] = b_logp
+            if b_ent is not None:
+                entropy[start:stop] = b_ent
+        ctx.save_for_backward(logits, tokens, lse, entropy)  # type: ignore[arg-type]
+        ctx.temperature = temperature  # type: ignore[attr-defined]
+        ctx.chunk = chunk  # type: ignore[attr-defined]
+        ctx.inplace = inplace  # type: ignore[attr-defined]
+        ctx.want_entropy = want_entropy  # type: ignore[attr-defined]
+        ctx.set_materialize_grads(False)
+        if tokens is None:
+            ctx.mark_non_differentiable(logp)
+        if not want_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(
+        ctx: Any, grad_logp: Tensor | None, grad_entropy: Tensor | None
+    ) -> tuple[Tensor | None, ...]:
+        logits, tokens, lse, entropy = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return (None,) * 6
+        if tokens is None:
+            grad_logp = None
+        if not ctx.want_entropy:
+            grad_entropy = None
+        if grad_logp is None and grad_entropy is None:
+            return (None,) * 6
+        cdt = lse.dtype
+        a, b = _row_coefs(grad_logp, grad_entropy, ctx.temperature, cdt)
+        # In place: each block is read (recomputed) before its gradient overwrites it, and
+        # blocks do not overlap, so the buffer can hold the gradient.
+        if ctx.inplace:
+            grad = logits
+        else:
+            grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+            flat_grad = grad.view(-1, logits.shape[-1])
+        for start, stop, block in _blocks(logits, ctx.chunk):
+            _block_backward(
+                block,
+                False,
+                None if tokens is None else tokens[start:stop],
+                lse[start:stop],
+                None if b is None else entropy[start:stop],
+                None if a is None else a[start:stop],
+                None if b is None else b[start:stop],
+                ctx.temperature,
+                cdt,
+                out=block if ctx.inplace else flat_grad[start:stop],
+            )
+        return grad, None, None, None, None, None
+
+
+def _from_logits(
+    logits: Tensor,
+    tokens: Tensor | None,
+    temperature: float,
+    chunk_size: int | None,
+    want_entropy: bool,
+    inplace_backward: bool,
+) -> tuple[Tensor, Tensor]:
+    logits = _check_logits(logits)
+    _check_options(temperature, chunk_size)
+    if not isinstance(inplace_backward, bool):
+        raise InputError(f"inplace_backward must be a bool, got {inplace_backward!r}")
+    vocab = logits.shape[-1]
+    rows_shape = logits.shape[:-1]
+    flat_tokens = None
+    if tokens is not None:
+        tokens = _check_tokens(tokens, rows_shape, f"logits {shape_str(logits)}", vocab)
+        if tokens.device != logits.device:
+            raise InputError(
+                f"tokens is on {tokens.device} but logits is on {logits.device}; "
+                "they must be on the same device"
+            )
+        flat_tokens = tokens.reshape(-1).to(torch.int64)
+    chunk = _auto_chunk(chunk_size, vocab, logits.device, DEFAULT_CHUNK_ELEMENTS)
+    logp, entropy = _LogitsLogpEntropy.apply(  # type: ignore[no-untyped-call]
+        logits, flat_tokens, float(temperature), chunk, want_entropy, inplace_backward
+    )
+    return logp.view(rows_shape) if tokens is not None else logp, (
+        entropy.view(rows_shape) if want_entropy else entropy
+    )
+
+
+def token_logprobs(
+    logits: Float[Tensor, "tokens vocab"] | Float[Tensor, "batch seq vocab"],
+    tokens: Integer[Tensor, " tokens"] | Integer[Tensor, "batch seq"],
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    inplace_backward: bool = False,
+) -> Float[Tensor, " tokens"] | Float[Tensor, "batch seq"]:
+    r"""Log-probability of each chosen token, computed block by block over rows.
+
+    .. math::
+
+        \log\pi(y_t) = \frac{z_{t,y_t}}{T} - \log\sum_v \exp\frac{z_{t,v}}{T}
+
+    Same values as ``torch.log_softmax(logits.float() / T, -1).gather(-1, tokens[..., None])``
+    without the full float32 copy or the full log-softmax: each block of ``chunk_size``
+    rows is upcast, passed through one fused ``log_softmax``, gathered and dropped.
+    Autograd keeps only a reference to ``logits``; backward recomputes each block's
+    softmax and writes
+    ``dlogp/dz = (onehot(y) - softmax(z/T)) / T`` into a gradient buffer in the logits'
+    dtype (exact, no approximation).
+
+    Shapes: logits ``[tokens, vocab]`` or ``[batch, seq, vocab]`` (views such as
+    ``logits[:, :-1]`` are fine: a 3-D view whose leading dims do not merge is walked per
+    sequence, never copied); tokens ``[tokens]`` or ``[batch, seq]``, any integer dtype,
+    ids in ``[0, vocab)``. Returns ``[tokens]`` or ``[batch, seq]``, float32 (float64 for
+    float64 logits), on the logits' device. Feed ``[batch, seq]`` log-probs straight into
+    :func:`token_level_loss`.
+
+    Options:
+        temperature: the sampling temperature ``T > 0``; the logits are divided by it
+            (as the rollout engine did), default 1.
+        chunk_size: rows per block; ``None`` (default) picks ``max(1, E // vocab)``
+            rows with ``E = 2**22`` logits elements on CPU (16 MiB float32 blocks, 27
+            rows at vocab 152064) and ``2**24`` on GPUs (fewer, larger kernels).
+        inplace_backward: opt in to writing the gradient *into the logits buffer*
+            instead of a new one, saving one logits-sized allocation. The logits tensor
+            is overwritten by its gradient during ``backward()``: do not read or reuse
+            it afterwards, and do not pass it to another differentiable op whose backward
+            runs later (autograd then raises "modified by an inplace operation"). To get
+            both log-probs and entropy this way use :func:`token_logprobs_and_entropy`.
+
+    Token ids are range-checked with one host sync (skipped under ``torch.compile``),
+    because an out-of-range id would otherwise crash ``gather`` (a device-side assert on
+    CUDA). Replace ignore labels such as ``-100`` by any valid id and mask them in the loss.
+
+    Example:
+        >>> logits = torch.tensor([[2.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+        >>> token_logprobs(logits, torch.tensor([0, 2]))
+        tensor([-0.2395, -1.0986])
+    """
+    logp, _ = _from_logits(logits, tokens, temperature, chunk_size, False, inplace_backward)
+    return logp
+
+
+def token_entropy(
+    logits: Float[Tensor, "tokens vocab"] | Float[Tensor, "batch seq vocab"],
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+) -> Float[Tensor, " tokens"] | Float[Tensor, "batch seq"]:
+    r"""Entropy (nats) of each row's softmax distribution, computed block by block over rows.
+
+    .. math::
+
+        H_t = -\sum_v p_{t,v}\log p_{t,v} = \mathrm{lse}_t - \sum_v p_{t,v}\,z_{t,v}/T,
+        \qquad p_t = \mathrm{softmax}(z_t / T)
+
+    Same values as ``-(p * log_softmax(logits.float() / T)).sum(-1)``, in float32 per
+    block. ``-inf`` logits (masked vocabulary entries) contribute 0. The gradient
+    ``dH/dz = -p (log p + H) / T`` is recomputed per block in backward from the saved
+    per-row log-sum-exp and entropy.
+
+    Shapes: logits ``[tokens, vocab]`` or ``[batch, seq, vocab]``. Returns ``[tokens]`` or
+    ``[batch, seq]``, float32 (float64 for float64 logits); ``0 <= H <= log(vocab)``.
+    ``temperature`` and ``chunk_size`` as in :func:`token_logprobs`. When the loss also
+    needs log-probs, :func:`token_logprobs_and_entropy` gets both in one pass.
+
+    Example:
+        >>> token_entropy(torch.zeros(2, 4))  # uniform over 4: log 4
+        tensor([1.3863, 1.3863])
+    """
+    _, entropy = _from_logits(logits, None, temperature, chunk_size, True, False)
+    return entropy
+
+
+def token_logprobs_and_entropy(
+    logits: Float[Tensor, "tokens vocab"] | Float[Tensor, "batch seq vocab"],
+    tokens: Integer[Tensor, " tokens"] | Integer[Tensor, "batch seq"],
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    inplace_backward: bool = False,
+) -> LogpEntropy:
+    r"""Chosen-token log-probs and entropies in one pass over the logits.
+
+    ``(token_logprobs(...), token_entropy(...))`` but each block is read once in forward
+    and once in backward, and gradients from both outputs are summed per block:
+
+    .. math::
+
+        \frac{\partial L}{\partial z_{t,v}} = \frac{1}{T}\Big(
+            g^{\log p}_t\,(\delta_{v,y_t} - p_{t,v})
+            - g^{H}_t\,p_{t,v}\,(\log p_{t,v} + H_t)\Big)
+
+    This is the call for an RL loss that uses both (e.g. an entropy bonus, or entropy
+    logged for clip diagnostics), and the only safe one with ``inplace_backward=True``:
+    two separate calls on the same logits would each want to own the buffer.
+
+    Shapes, dtypes and options as in :func:`token_logprobs`. Returns
+    ``LogpEntropy(logp, entropy)``, a named tuple of two ``[tokens]`` or ``[batch, seq]``
+    float32 tensors.
+
+    Example:
+        >>> logits = torch.tensor([[2.0, 0.0, 0.0]])
+        >>> token_logprobs_and_entropy(logits, torch.tensor([0]))
+        LogpEntropy(logp=tensor([-0.2395]), entropy=tensor([0.6656]))
+    """
+    logp, entropy = _from_logits(logits, tokens, temperature, chunk_size, True, inplace_backward)
+    return LogpEntropy(logp, entropy)
+
+
+# --------------------------------------------------------------------------- fused
+
+
+def _linear(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return h @ weight.T if bias is None else torch.addmm(bias, h, weight.T)
+
+
+class _FusedLinearLogpEntropy(torch.autograd.Function):
+    """(logp, entropy) from hidden states and the output projection, block by block."""
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        tokens: Tensor,
+        temperature: float,
+        chunk: int,
+    ) -> tuple[Tensor, Tensor]:
+        cdt = _compute_dtype(hidden.dtype)
+        rows = hidden.shape[0]
+        lse = hidden.new_empty(rows, dtype=cdt)
+        logp = hidden.new_empty(rows, dtype=cdt)
+        entropy = hidden.new_empty(rows, dtype=cdt)
+        for start in range(0, rows, chunk):
+            stop = min(start + chunk, rows)
+            b_lse, b_logp, b_ent = _block_forward(
+                _linear(hidden[start:stop], weight, bias),  # no other reference: freed early
+                True,
+                tokens[start:stop],
+                temperature,
+                cdt,
+                True,
+            )
+            assert b_lse is not None and b_logp is not None and b_ent is not None
+            lse[start:stop] = b_lse
+            logp[start:stop] = b_logp
+            entropy[start:stop] = b_ent
+        ctx.save_for_backward(hidden, weight, bias, tokens, lse, entropy)  # type: ignore[arg-type]
+        ctx.temperature = temperature  # type: ignore[attr-defined]
+        ctx.chunk = chunk  # type: ignore[attr-defined]
+        ctx.set_materialize_grads(False)
+        return logp, entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(
+        ctx: Any, grad_logp: Tensor | None, grad_entropy: Tensor | None
+    ) -> tuple[Tensor | None, ...]:
+        hidden, weight, bias, tokens, lse, entropy = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        if not (need_h or need_w or need_b) or (grad_logp is None and grad_entropy is None):
+            return (None,) * 6
+        cdt = lse.dtype
+        a, b = _row_coefs(grad_logp, grad_entropy, ctx.temperature, cdt)
+        dtype = hidden.dtype
+        grad_h = torch.empty_like(hidden) if need_h else None
+        # Weight and bias gradients sum over blocks: accumulate in float32 (float64).
+        grad_w = torch.zeros(weight.shape, dtype=cdt, device=weight.device) if need_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=cdt, device=weight.device) if need_b else None
+        rows = hidden.shape[0]
+        for start in range(0, rows, ctx.chunk):
+            stop = min(start + ctx.chunk, rows)
+            h = hidden[start:stop]
+            g = _block_backward(
+                _linear(h, weight, bias),  # no other reference: freed early
+                True,
+                tokens[start:stop],
+                lse[start:stop],
+                None if b is None else entropy[start:stop],
+                None if a is None else a[start:stop],
+                None if b is None else b[start:stop],
+                ctx.temperature,
+                cdt,
+            )
+            if grad_b is not None:
+                grad_b += g.sum(dim=0)
+            g = g.to(dtype)  # the block's dL/dlogits, rounded once to the input dtype
+            if grad_h is not None:
+                grad_h[start:stop] = g @ weight
+            if grad_w is not None:
+                if dtype == cdt:
+                    grad_w.addmm_(g.T, h)
+                else:  # matmul in the input dtype (tensor cores), summed over blocks in fp32
+                    grad_w += g.T @ h
+            del g  # before the next block is allocated
+        return (
+            grad_h,
+            None if grad_w is None else grad_w.to(dtype),
+            None if grad_b is None else grad_b.to(dtype),
+            None,
+            None,
+            None,
+        )
+
+
+def fused_logprobs_entropy(
+    hidden: Float[Tensor, "tokens d"] | Float[Tensor, "batch seq d"],
+    weight: Float[Tensor, "vocab d"],
+    tokens: Integer[Tensor, " tokens"] | Integer[Tensor, "batch seq"],
+    *,
+    bias: Float[Tensor, " vocab"] | None = None,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+) -> LogpEntropy:
+    r"""Log-probs and entropies straight from hidden states: the logits never exist whole.
+
+    For each block of ``chunk_size`` rows: ``z = hidden @ weight.T (+ bias)`` in the input
+    dtype, then in float32 :math:`\log\pi(y_t) = z_{t,y_t}/T - \mathrm{lse}_t` and
+    :math:`H_t = \mathrm{lse}_t - \sum_v p_{t,v} z_{t,v}/T`. Only the per-row
+    log-sum-exp and entropy are kept for backward, which recomputes each block's logits
+    and forms
+
+    .. math::
+
+        G = \frac{1}{T}\big(g^{\log p}(\mathrm{onehot}(y) - p) - g^{H} p (\log p + H)\big),
+        \quad \partial_{hidden} = G\,W,\quad \partial_W = \sum_{blocks} G^\top h,
+        \quad \partial_b = \sum_{blocks} G^\top \mathbf{1}
+
+    so peak memory is one block's ``[chunk, vocab]`` temporaries instead of several
+    ``[tokens, vocab]`` float32 tensors, at the price of one extra ``hidden @ weight.T``
+    in backward (4 matmuls instead of 3). Gradients are exact and reach both outputs.
+
+    Shapes: hidden ``[tokens, d]`` or ``[batch, seq, d]``; weight ``[vocab, d]`` (the
+    ``lm_head.weight``); tokens ``[tokens]`` or ``[batch, seq]`` with ids in
+    ``[0, vocab)`` (checked with one host sync, as in :func:`token_logprobs`); bias
+    ``[vocab]`` or None. hidden, weight and bias share one floating dtype and device.
+    Returns ``LogpEntropy(logp, entropy)``, float32 (float64 for float64 input), shaped
+    like ``tokens``; gradients come back in the input dtype, the weight and bias ones
+    accumulated over blocks in float32 first.
+
+    Options:
+        temperature: logits are divided by ``T > 0`` (default 1).
+        chunk_size: rows per block; ``None`` picks ``max(1, E // vocab)`` rows with
+            ``E = 2**25`` on CPU (220 rows at vocab 152064) and ``2**27`` on GPUs (882
+            rows): large enough for efficient matmuls and few weight-gradient
+            accumulations. Smaller blocks lower peak memory and cost matmul efficiency.
+
+    Example:
+        >>> hidden, weight = torch.randn(6, 8), torch.randn(32, 8)
+        >>> tokens = torch.randint(0, 32, (6,))
+        >>> logp, entropy = fused_logprobs_entropy(hidden, weight, tokens, chunk_size=4)
+        >>> ref = torch.log_softmax(hidden @ weight.T, -1).gather(-1, tokens[:, None])
+        >>> torch.allclose(logp, ref.squeeze(-1), atol=1e-5)
+        True
+    """
+    hidden = _check_float_tensor("hidden", hidden)
+    weight = _check_float_tensor("weight", weight)
+    if hidden.ndim not in (2, 3):
+        raise InputError(
+            f"hidden must have shape [tokens, d] or [batch, seq, d], got {shape_str(hidden)}"
+        )
+    if weight.ndim != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] < 1:
+        raise InputError(
+            f"weight must have shape [vocab, d] with d = hidden's last dim "
+            f"({hidden.shape[-1]}) and vocab >= 1, got {shape_str(weight)}"
+        )
+    vocab = weight.shape[0]
+    tensors = [("weight", weight)]
+    if bias is not None:
+        bias = _check_float_tensor("bias", bias)
+        if bias.shape != (vocab,):
+            raise InputError(f"bias must have shape [vocab] = [{vocab}], got {shape_str(bias)}")
+        tensors.append(("bias", bias))
+    for name, t in tensors:
+        if t.dtype != hidden.dtype:
+            raise InputError(f"{name} has dtype {t.dtype} but hidden has {hidden.dtype}")
+        if t.device != hidden.device:
+            raise InputError(f"{name} is on {t.device} but hidden is on {hidden.device}")
+    _check_options(temperature, chunk_size)
+    rows_shape = hidden.shape[:-1]
+    tokens = _check_tokens(tokens, rows_shape, f"hidden {shape_str(hidden)}", vocab)
+    if tokens.device != hidden.device:
+        raise InputError(f"tokens is on {tokens.device} but hidden is on {hidden.device}")
+    chunk = _auto_chunk(chunk_size, vocab, hidden.device, DEFAULT_FUSED_CHUNK_ELEMENTS)
+    logp, entropy = _FusedLinearLogpEntropy.apply(  # type: ignore[no-untyped-call]
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        bias,
+        tokens.reshape(-1).to(torch.int64),
+        float(temperature),
+        chunk,
+    )
+    return LogpEntropy(logp.view(rows_shape), entropy.view(rows_shape))

@@ -1,0 +1,379 @@
+"""The fused Clip-Higher loss (dapo_ops._fused) equals the reference composition.
+
+Reference: ``token_level_aggregate(clip_higher_surrogate(...), mask, ...)`` under autograd.
+The fused logp gradient is computed with the same roundings in the same order, so for a
+plain ``loss.backward()`` it is compared *bitwise*; loss values differ by summation order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from _strategies import MODES, make_batch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dapo_ops import InputError, clip_higher_surrogate, token_level_aggregate
+from dapo_ops._fused import clip_higher_loss_fused, fused_token_level_loss, loss_scale
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def reference(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    **kw: Any,
+) -> torch.Tensor:
+    surrogate_kw = {
+        k: kw[k] for k in ("eps_low", "eps_high", "dual_clip", "log_ratio_clamp") if k in kw
+    }
+    agg_kw = {k: kw[k] for k in ("mode", "normalizer", "max_len") if k in kw}
+    per_token = clip_higher_surrogate(logp, old_logp, adv, mask, **surrogate_kw)
+    return token_level_aggregate(per_token, mask, **agg_kw)
+
+
+def both(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    grad_out: float = 1.0,
+    chunk_elems: int | None = None,
+    **kw: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fused loss, reference loss, fused logp grad, reference logp grad)."""
+    lp_f = logp.detach().clone().requires_grad_(True)
+    lp_r = logp.detach().clone().requires_grad_(True)
+    fused = fused_token_level_loss(lp_f, old_logp, adv, mask, chunk_elems=chunk_elems, **kw)
+    ref = reference(lp_r, old_logp, adv, mask, **kw)
+    (fused * grad_out).backward()
+    (ref * grad_out).backward()
+    assert lp_f.grad is not None and lp_r.grad is not None
+    return fused, ref, lp_f.grad, lp_r.grad
+
+
+def assert_loss_close(fused: torch.Tensor, ref: torch.Tensor) -> None:
+    assert fused.dtype == ref.dtype and fused.shape == ()
+    tol = 1e-12 if ref.dtype == torch.float64 else 2e-6
+    torch.testing.assert_close(fused, ref, rtol=tol, atol=tol * (1 + abs(float(ref.detach()))))
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> dict[str, Any]:
+    batch = draw(st.integers(1, 6))
+    seq = draw(st.integers(1, 24))
+    seed = draw(st.integers(0, 2**31 - 1))
+    b = make_batch(batch, seq, seed, spread=draw(st.sampled_from([0.01, 0.2, 0.5, 2.0, 30.0])))
+    g = torch.Generator().manual_seed(seed + 1)
+    dtype = draw(st.sampled_from(DTYPES))
+    adv_layout = draw(st.sampled_from(["batch", "batch 1", "batch seq"]))
+    adv = {
+        "batch": b.advantages,
+        "batch 1": b.advantages[:, None],
+        "batch seq": b.advantages[:, None] * torch.rand(batch, seq, generator=g) * 2,
+    }[adv_layout]
+    if draw(st.booleans()):  # some zero advantages
+        adv = torch.where(torch.rand(adv.shape, generator=g) < 0.3, 0.0, adv)
+    mask = b.mask if draw(st.booleans()) else b.mask.to(torch.int64)
+    return {
+        "logp": b.logp.to(dtype),
+        "old_logp": b.old_logp.to(draw(st.sampled_from([dtype, torch.float32]))),
+        "adv": adv.to(draw(st.sampled_from([dtype, torch.float32]))),
+        "mask": mask,
+        "kw": {
+            "mode": draw(st.sampled_from(MODES)),
+            "dual_clip": draw(st.sampled_from([None, 3.0, 1.5])),
+            "eps_low": draw(st.sampled_from([0.2, 0.0, 0.5])),
+            "eps_high": draw(st.sampled_from([0.28, 0.0, 2.0])),
+            "normalizer": draw(st.sampled_from([None, 7, 100.0])),
+            "max_len": draw(st.sampled_from([None, 50])),
+            "chunk_elems": draw(st.sampled_from([None, 1, 20, 10_000])),
+        },
+    }
+
+
+@given(cases())
+def test_matches_reference_bitwise_gradient(c: dict[str, Any]) -> None:
+    fused, ref, g_fused, g_ref = both(c["logp"], c["old_logp"], c["adv"], c["mask"], **c["kw"])
+    assert_loss_close(fused, ref)
+    assert g_fused.dtype == c["logp"].dtype
+    assert torch.equal(g_fused, g_ref)
+
+
+@given(cases(), st.sampled_from([3.0, -0.5, 1e-3]))
+def test_scaled_backward_matches(c: dict[str, Any], grad_out: float) -> None:
+    _, _, g_fused, g_ref = both(
+        c["logp"], c["old_logp"], c["adv"], c["mask"], grad_out=grad_out, **c["kw"]
+    )
+    low = c["logp"].dtype in (torch.bfloat16, torch.float16)
+    # low precision: the fused path rounds (g * grad_out) once more; 1 ulp of the dtype
+    torch.testing.assert_close(
+        g_fused.double(), g_ref.double(), rtol=1e-2 if low else 1e-6, atol=1e-12
+    )
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_garbage_in_masked_positions(mode: str, dtype: torch.dtype) -> None:
+    b = make_batch(5, 9, 3)
+    nan, inf = torch.tensor(float("nan")), torch.tensor(float("inf"))
+    logp = torch.where(b.mask, b.logp, nan).to(dtype)
+    old = torch.where(b.mask, b.old_logp, -inf).to(dtype)
+    adv = torch.where(b.mask, b.advantages[:, None], inf)  # [batch, seq] with inf padding
+    fused, ref, g_fused, g_ref = both(logp, old, adv, b.mask, mode=mode, chunk_elems=18)
+    assert bool(torch.isfinite(fused)) and bool(torch.isfinite(g_fused).all())
+    assert_loss_close(fused, ref)
+    assert torch.equal(g_fused, g_ref)
+    assert bool((g_fused[~b.mask] == 0).all())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_all_masked_batch(mode: str) -> None:
+    logp = torch.full((3, 4), float("nan"))
+    mask = torch.zeros(3, 4, dtype=torch.bool)
+    fused, _, g_fused, _ = both(logp, logp, torch.ones(3), mask, mode=mode)
+    assert fused.item() == 0.0 and bool((g_fused == 0).all())
+    empty = torch.zeros(0, 5)
+    fused, _, g_fused, _ = both(empty, empty, torch.zeros(0), empty.bool(), mode=mode)
+    assert fused.item() == 0.0 and g_fused.shape == (0, 5)
+
+
+def test_clip_active_gives_exact_zero_and_log_ratio_clamp() -> None:
+    # ratios e^-30 (clamped), 0.5, 1, 1.5, e^30 (clamped), for A > 0 and A < 0
+    lr = torch.tensor([-30.0, math.log(0.5), 0.0, math.log(1.5), 30.0, 20.0])
+    logp = lr.repeat(2, 1)
+    old = torch.zeros_like(logp)
+    adv = torch.tensor([1.0, -1.0])
+    mask = torch.ones_like(logp, dtype=torch.bool)
+    for dual in (None, 3.0):
+        fused, ref, g_fused, g_ref = both(logp, old, adv, mask, dual_clip=dual)
+        assert_loss_close(fused, ref)
+        assert torch.equal(g_fused, g_ref)
+        nonzero = (g_fused != 0).tolist()
+        # A > 0: the clamp stops lr = -30 (its unclipped branch would pass), the clip
+        # stops r = 1.5, e^30 and e^20
+        assert nonzero[0] == [False, True, True, False, False, False]
+        # A < 0: the clip stops r = 0.5 and e^-30, the clamp stops lr = 30; lr = 20 sits
+        # on the clamp bound, which passes the gradient (clamp's autograd is inclusive)
+        # unless the dual clip (r > 3) stops it
+        assert nonzero[1] == [False, False, True, True, False, dual is None]
+
+
+def _near_bound_batch(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
+    """Ratios within a few ulps of 1 - eps_low, 1 + eps_high and the dual bound 3."""
+    g = torch.Generator().manual_seed(seed)
+    n = 4096
+    bounds = torch.tensor([0.8, 1.28, 3.0], dtype=torch.float64)
+    target = bounds[torch.randint(0, 3, (n,), generator=g)]
+    lr = torch.log(target) + torch.randint(-40, 41, (n,), generator=g).double() * 2e-8
+    logp = lr.to(dtype).reshape(64, 64)
+    old = torch.zeros_like(logp)
+    adv = (torch.rand(64, 64, generator=g, dtype=torch.float64) * 8 - 4).to(dtype)
+    return logp, old, adv
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_ties_split_the_gradient_like_maximum(dtype: torch.dtype) -> None:
+    logp, old, adv = _near_bound_batch(dtype, 0)
+    mask = torch.ones_like(logp, dtype=torch.bool)
+    # the batch must hold real ties: ratio outside the band, equal products
+    r = torch.exp(logp - old)
+    cl = r.clamp(0.8, 1.28)
+    ties = (r != cl) & (-adv * r == -adv * cl) & (adv != 0)
+    if dtype == torch.float32:
+        assert int(ties.sum()) > 0
+    for dual in (None, 3.0):
+        fused, ref, g_fused, g_ref = both(logp, old, adv, mask, dual_clip=dual, chunk_elems=1000)
+        assert_loss_close(fused, ref)
+        assert torch.equal(g_fused, g_ref)
+
+
+@pytest.mark.parametrize("adv_layout", ["batch", "batch seq"])
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+def test_gradients_of_every_input(adv_layout: str, dual_clip: float | None) -> None:
+    b = make_batch(4, 7, 11, spread=0.5)
+    g = torch.Generator().manual_seed(0)
+    adv = b.advantages
+    if adv_layout == "batch seq":
+        adv = adv[:, None] * torch.rand(4, 7, generator=g)
+    norm = torch.tensor(9.0)
+    inputs_f = [t.clone().requires_grad_(True) for t in (b.logp, b.old_logp, adv, norm)]
+    inputs_r = [t.clone().requires_grad_(True) for t in (b.logp, b.old_logp, adv, norm)]
+    kw: dict[str, Any] = {"dual_clip": dual_clip, "mode": "seq_mean_token_mean"}
+    lp, old, a, n = inputs_f
+    fused = fused_token_level_loss(lp, old, a, b.mask, normalizer=n, **kw)
+    lp, old, a, n = inputs_r
+    ref = reference(lp, old, a, b.mask, normalizer=n, **kw)
+    (2.0 * fused).backward()
+    (2.0 * ref).backward()
+    for f, r in zip(inputs_f, inputs_r, strict=True):
+        assert f.grad is not None and r.grad is not None
+        assert f.grad.dtype == r.grad.dtype and f.grad.shape == r.grad.shape
+        torch.testing.assert_close(f.grad, r.grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+@pytest.mark.parametrize("mode", MODES)
+def test_gradcheck_float64(dual_clip: float | None, mode: str) -> None:
+    b = make_batch(3, 5, 7, dtype=torch.float64, spread=0.3)
+    inputs = (
+        b.logp.clone().requires_grad_(True),
+        b.old_logp.clone().requires_grad_(True),
+        b.advantages.clone().requires_grad_(True),
+        torch.tensor(6.0, dtype=torch.float64, requires_grad=True),
+    )
+
+    def f(lp: torch.Tensor, old: torch.Tensor, a: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        return fused_token_level_loss(
+            lp, old, a, b.mask, mode=mode, normalizer=n, dual_clip=dual_clip, chunk_elems=5
+        )
+
+    assert torch.autograd.gradcheck(f, inputs)
+
+
+def test_low_level_scale_forms() -> None:
+    b = make_batch(4, 6, 2)
+    valid = b.mask
+    adv = b.advantages[:, None]
+    for mode in MODES:
+        scale = loss_scale(valid, mode=mode, max_len=9)  # type: ignore[arg-type]
+        assert scale.shape == ((4, 1) if mode == "seq_mean_token_mean" else ())
+        got = clip_higher_loss_fused(b.logp, b.old_logp, adv, valid, scale)
+        assert_loss_close(got, reference(b.logp, b.old_logp, adv, valid, mode=mode, max_len=9))
+    with pytest.raises(InputError, match="scale"):
+        clip_higher_loss_fused(b.logp, b.old_logp, adv, valid, torch.tensor(1.0).double())
+
+
+def test_no_grad_and_inputs_untouched() -> None:
+    b = make_batch(3, 8, 4)
+    logp = b.logp.clone().requires_grad_(True)
+    before = [t.clone() for t in (b.logp, b.old_logp, b.advantages)]
+    with torch.no_grad():
+        out = fused_token_level_loss(logp, b.old_logp, b.advantages, b.mask)
+    assert not out.requires_grad
+    assert_loss_close(out, reference(b.logp, b.old_logp, b.advantages, b.mask))
+    for t, t0 in zip((logp.detach(), b.old_logp, b.advantages), before, strict=True):
+        assert torch.equal(t, t0)
+
+
+def test_float64_stays_float64() -> None:
+    b = make_batch(3, 8, 4)
+    fused, ref, g_fused, g_ref = both(b.logp, b.old_logp, b.advantages.double(), b.mask)
+    assert fused.dtype == torch.float64 and g_fused.dtype == torch.float32
+    assert_loss_close(fused, ref)
+    assert torch.equal(g_fused, g_ref)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"eps_low": 1.0}, "eps_low"),
+        ({"dual_clip": 1.0}, "dual_clip"),
+        ({"log_ratio_clamp": 0.0}, "log_ratio_clamp"),
+        ({"mode": "sum"}, "mode"),
+        ({"normalizer": 0}, "normalizer"),
+        ({"normalizer": "global"}, "normalizer"),
+        ({"normalizer": torch.ones(2)}, "normalizer"),
+        ({"max_len": 0}, "max_len"),
+    ],
+)
+@pytest.mark.usefixtures("no_runtime_typecheck")  # the library's own checks, not beartype's
+def test_bad_options_raise_like_the_reference(kwargs: dict[str, Any], match: str) -> None:
+    b = make_batch(2, 3, 0)
+    with pytest.raises(InputError, match=match):
+        fused_token_level_loss(b.logp, b.old_logp, b.advantages, b.mask, **kwargs)
+    with pytest.raises(InputError, match=match):
+        reference(b.logp, b.old_logp, b.advantages, b.mask, **kwargs)
+
+
+@pytest.mark.usefixtures("no_runtime_typecheck")
+def test_bad_shapes_raise() -> None:
+    b = make_batch(2, 3, 0)
+    with pytest.raises(InputError, match="advantages"):
+        fused_token_level_loss(b.logp, b.old_logp, torch.ones(3), b.mask)
+    with pytest.raises(InputError, match="old_logp"):
+        fused_token_level_loss(b.logp, b.old_logp[:1], b.advantages, b.mask)
+    with pytest.raises(InputError, match="mask"):
+        fused_token_level_loss(b.logp, b.old_logp, b.advantages, b.mask.float())
+
+
+def _compiled(fn: Callable[..., Any], backend: str) -> Callable[..., Any]:
+    torch._dynamo.reset()
+    return torch.compile(fn, fullgraph=True, backend=backend)
+
+
+@pytest.mark.usefixtures("no_runtime_typecheck")
+def test_traces_fullgraph_and_compiled_variant() -> None:
+    b = make_batch(6, 20, 9)
+    logp = torch.where(b.mask, b.logp, torch.tensor(float("nan")))
+    kw: dict[str, Any] = {"dual_clip": 3.0, "mode": "seq_mean_token_mean"}
+    _, ref, _, g_ref = both(logp, b.old_logp, b.advantages, b.mask, **kw)
+
+    def step(lp: torch.Tensor) -> torch.Tensor:
+        return fused_token_level_loss(lp, b.old_logp, b.advantages, b.mask, **kw)
+
+    # the whole loss (autograd.Function included) traced into one graph, no break
+    lp = logp.clone().requires_grad_(True)
+    out = _compiled(step, "aot_eager")(lp)
+    out.backward()
+    assert_loss_close(out, ref)
+    assert lp.grad is not None
+    torch.testing.assert_close(lp.grad, g_ref)
+
+    # the compiled-body variant (a cheap backend keeps the suite fast; the benchmark
+    # uses inductor)
+    lp = logp.clone().requires_grad_(True)
+    out = fused_token_level_loss(lp, b.old_logp, b.advantages, b.mask, compiled="aot_eager", **kw)
+    out.backward()
+    assert_loss_close(out, ref)
+    assert lp.grad is not None
+    torch.testing.assert_close(lp.grad, g_ref)
+
+
+def test_cpu_fast_path_needs_no_fallback_on_clean_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Finite inputs stay on the float-only CPU path; garbage takes the `where` path."""
+    import dapo_ops._fused as fused_mod
+
+    calls: list[int] = []
+    exact = fused_mod._chunk_terms
+
+    def counting(*args: Any) -> Any:
+        calls.append(1)
+        return exact(*args)
+
+    monkeypatch.setattr(fused_mod, "_chunk_terms", counting)
+    b = make_batch(6, 10, 5)
+    for dual in (None, 3.0):
+        fused, ref, g_fused, g_ref = both(
+            b.logp, b.old_logp, b.advantages, b.mask, dual_clip=dual, chunk_elems=20
+        )
+        assert_loss_close(fused, ref)
+        assert torch.equal(g_fused, g_ref)
+    assert not calls
+    logp = torch.where(b.mask, b.logp, torch.tensor(float("nan")))
+    _, _, g_fused, g_ref = both(logp, b.old_logp, b.advantages, b.mask, chunk_elems=20)
+    assert torch.equal(g_fused, g_ref) and calls
+
+
+def test_retained_graph_backward_twice_and_mutated_grad() -> None:
+    """The gradient buffer is handed to the first backward; later ones recompute it."""
+    b = make_batch(4, 9, 8)
+    _, _, _, g_ref = both(b.logp, b.old_logp, b.advantages, b.mask, dual_clip=3.0)
+    lp = b.logp.clone().requires_grad_(True)
+    loss = fused_token_level_loss(lp, b.old_logp, b.advantages, b.mask, dual_clip=3.0)
+    (g1,) = torch.autograd.grad(loss, lp, retain_graph=True)
+    assert torch.equal(g1, g_ref)
+    g1.zero_()  # the caller owns the returned buffer
+    (g2,) = torch.autograd.grad(loss, lp, retain_graph=True)
+    assert torch.equal(g2, g_ref)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    assert lp.grad is not None
+    torch.testing.assert_close(lp.grad, 2 * g_ref)

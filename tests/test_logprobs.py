@@ -1,0 +1,471 @@
+"""Chunked token log-probs / entropy and the fused output projection.
+
+Gradients are checked with float64 ``gradcheck`` (both outputs, temperature != 1, chunk
+sizes that do not divide the rows); values and gradients against the naive
+``log_softmax`` path in float32 and bfloat16; properties with hypothesis.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+
+import jaxtyping
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dapo_ops._validate import InputError
+from dapo_ops.logprobs import (
+    LogpEntropy,
+    fused_logprobs_entropy,
+    token_entropy,
+    token_logprobs,
+    token_logprobs_and_entropy,
+)
+
+F64 = torch.float64
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def naive(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The path every trainer writes: full log_softmax, gather, -(p * logp).sum."""
+    dtype = F64 if logits.dtype == F64 else torch.float32
+    logp_all = torch.log_softmax(logits.to(dtype) / temperature, dim=-1)
+    logp = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return logp, -(logp_all.exp() * logp_all).sum(-1)
+
+
+def inputs(
+    rows: int, vocab: int, seed: int, *, dtype: torch.dtype = F64, scale: float = 3.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(rows, vocab, generator=g, dtype=F64) * scale).to(dtype)
+    return logits, torch.randint(0, vocab, (rows,), generator=g)
+
+
+def loss_weights(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed + 1)
+    return torch.randn(rows, generator=g, dtype=F64), torch.randn(rows, generator=g, dtype=F64)
+
+
+# --------------------------------------------------------------------------- gradcheck
+
+
+@pytest.mark.parametrize(("chunk", "temperature"), [(3, 1.0), (3, 0.7), (None, 1.6), (1, 1.0)])
+def test_gradcheck_from_logits(chunk: int | None, temperature: float) -> None:
+    logits, tokens = inputs(7, 11, 0)
+    logits.requires_grad_(True)
+    opts = {"temperature": temperature, "chunk_size": chunk}
+
+    def both(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(token_logprobs_and_entropy(x, tokens, **opts))  # type: ignore[arg-type,return-value]
+
+    assert torch.autograd.gradcheck(both, (logits,))
+    assert torch.autograd.gradcheck(lambda x: token_logprobs(x, tokens, **opts), (logits,))  # type: ignore[arg-type]
+    assert torch.autograd.gradcheck(lambda x: token_entropy(x, **opts), (logits,))  # type: ignore[arg-type]
+    # only one output of the pair receives a gradient
+    assert torch.autograd.gradcheck(lambda x: both(x)[1], (logits,))
+
+
+def test_gradcheck_3d_and_noncontiguous_view() -> None:
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(2, 6, 9, generator=g, dtype=F64, requires_grad=True)
+    tokens = torch.randint(0, 9, (2, 5), generator=g)
+
+    def f(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        view = b[:, :-1]  # leading dims do not merge: walked per sequence
+        return tuple(token_logprobs_and_entropy(view, tokens, chunk_size=2, temperature=0.9))
+
+    assert torch.autograd.gradcheck(f, (base,))
+
+
+@pytest.mark.parametrize(
+    ("chunk", "temperature", "bias"), [(3, 1.0, False), (4, 0.6, True), (None, 1.3, True)]
+)
+def test_gradcheck_fused(chunk: int | None, temperature: float, bias: bool) -> None:
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(7, 5, generator=g, dtype=F64, requires_grad=True)
+    weight = torch.randn(13, 5, generator=g, dtype=F64, requires_grad=True)
+    b = torch.randn(13, generator=g, dtype=F64, requires_grad=True)
+    tokens = torch.randint(0, 13, (7,), generator=g)
+    args = (hidden, weight, b) if bias else (hidden, weight)
+
+    def f(h: torch.Tensor, w: torch.Tensor, *rest: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = fused_logprobs_entropy(
+            h, w, tokens, bias=rest[0] if rest else None, temperature=temperature, chunk_size=chunk
+        )
+        return tuple(out)
+
+    assert torch.autograd.gradcheck(f, args)
+    assert torch.autograd.gradcheck(lambda *a: f(*a)[0], args)
+    assert torch.autograd.gradcheck(lambda *a: f(*a)[1], args)
+
+
+def test_fused_3d_hidden_and_frozen_weight() -> None:
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 3, 4, generator=g, dtype=F64, requires_grad=True)
+    weight = torch.randn(10, 4, generator=g, dtype=F64)  # frozen: no weight gradient work
+    tokens = torch.randint(0, 10, (2, 3), generator=g)
+    out = fused_logprobs_entropy(hidden, weight, tokens, chunk_size=4)
+    assert out.logp.shape == out.entropy.shape == (2, 3)
+    assert torch.autograd.gradcheck(
+        lambda h: tuple(fused_logprobs_entropy(h, weight, tokens, chunk_size=4)), (hidden,)
+    )
+
+
+# --------------------------------------------------------------------------- vs naive
+
+
+@pytest.mark.parametrize(
+    ("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 1e-5), (torch.float16, 1e-5)]
+)
+def test_from_logits_matches_naive(dtype: torch.dtype, tol: float) -> None:
+    logits, tokens = inputs(37, 301, 4, dtype=dtype)
+    w_lp, w_h = (w.float() for w in loss_weights(37, 4))
+    ours = logits.clone().requires_grad_(True)
+    ref = logits.clone().requires_grad_(True)
+    got = token_logprobs_and_entropy(ours, tokens, temperature=0.8, chunk_size=5)
+    want = naive(ref, tokens, 0.8)
+    assert got.logp.dtype == got.entropy.dtype == torch.float32
+    # same float32 math on the same upcast logits: agreement to float32 rounding
+    torch.testing.assert_close(got.logp, want[0], rtol=tol, atol=tol)
+    torch.testing.assert_close(got.entropy, want[1], rtol=tol, atol=tol)
+    ((got.logp * w_lp).sum() + (got.entropy * w_h).sum()).backward()
+    ((want[0] * w_lp).sum() + (want[1] * w_h).sum()).backward()
+    assert ours.grad is not None and ref.grad is not None
+    assert ours.grad.dtype == dtype
+    # both gradients are float32 values rounded once to `dtype`: at most one ulp apart
+    ulp = torch.finfo(dtype).eps
+    torch.testing.assert_close(ours.grad.float(), ref.grad.float(), rtol=2 * ulp, atol=1e-6)
+
+
+def test_fused_matches_naive_float32() -> None:
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(50, 16, generator=g)
+    weight = torch.randn(97, 16, generator=g) * 0.5
+    bias = torch.randn(97, generator=g)
+    tokens = torch.randint(0, 97, (50,), generator=g)
+    w_lp, w_h = (w.float() for w in loss_weights(50, 5))
+    leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    refs = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    got = fused_logprobs_entropy(
+        leaves[0], leaves[1], tokens, bias=leaves[2], temperature=1.1, chunk_size=7
+    )
+    want = naive(refs[0] @ refs[1].T + refs[2], tokens, 1.1)
+    torch.testing.assert_close(got.logp, want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.entropy, want[1], rtol=1e-5, atol=1e-5)
+    ((got.logp * w_lp).sum() + (got.entropy * w_h).sum()).backward()
+    ((want[0] * w_lp).sum() + (want[1] * w_h).sum()).backward()
+    for a, b in zip(leaves, refs, strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_fused_bfloat16_is_as_accurate_as_naive() -> None:
+    """bf16 in, float32 out: errors against a float64 reference no worse than the naive path."""
+    g = torch.Generator().manual_seed(6)
+    hidden64 = torch.randn(64, 32, generator=g, dtype=F64)
+    weight64 = torch.randn(200, 32, generator=g, dtype=F64) * 0.3
+    tokens = torch.randint(0, 200, (64,), generator=g)
+    w_lp, w_h = loss_weights(64, 6)
+
+    def run(
+        fn: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        dtype: torch.dtype,
+    ) -> list[torch.Tensor]:
+        h = hidden64.to(dtype, copy=True).requires_grad_(True)
+        w = weight64.to(dtype, copy=True).requires_grad_(True)
+        lp, ent = fn(h, w)
+        ((lp.double() * w_lp).sum() + (ent.double() * w_h).sum()).backward()
+        assert h.grad is not None and w.grad is not None
+        return [lp.double(), ent.double(), h.grad.double(), w.grad.double()]
+
+    def ours(h: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = fused_logprobs_entropy(h, w, tokens, chunk_size=10)
+        assert out.logp.dtype == torch.float32
+        return out.logp, out.entropy
+
+    exact = run(lambda h, w: naive(h @ w.T, tokens), F64)
+    base = run(lambda h, w: naive(h @ w.T, tokens), torch.bfloat16)
+    got = run(ours, torch.bfloat16)
+    for name, e, b, o in zip(
+        ["logp", "entropy", "d_hidden", "d_weight"], exact, base, got, strict=True
+    ):
+        err_ours = (o - e).abs().max().item()
+        err_naive = (b - e).abs().max().item()
+        assert err_ours <= 1.5 * err_naive + 1e-6, (name, err_ours, err_naive)
+
+
+def test_minus_inf_logits_are_masked_vocab() -> None:
+    logits, tokens = inputs(6, 10, 7)
+    masked = logits.clone()
+    masked[:, 7:] = -math.inf  # padded vocabulary entries
+    tokens = tokens % 7
+    x = masked.clone().requires_grad_(True)
+    out = token_logprobs_and_entropy(x, tokens, chunk_size=4)
+    (out.logp.sum() + out.entropy.sum()).backward()
+    ref = logits[:, :7].clone().requires_grad_(True)
+    want = naive(ref, tokens)
+    (want[0].sum() + want[1].sum()).backward()
+    torch.testing.assert_close(out.logp, want[0])
+    torch.testing.assert_close(out.entropy, want[1])
+    assert x.grad is not None and ref.grad is not None
+    torch.testing.assert_close(x.grad[:, :7], ref.grad)
+    assert bool((x.grad[:, 7:] == 0).all())
+
+
+def test_empty_rows() -> None:
+    x = torch.randn(0, 5, requires_grad=True)
+    out = token_logprobs_and_entropy(x, torch.zeros(0, dtype=torch.long))
+    assert out.logp.shape == out.entropy.shape == (0,)
+    (out.logp.sum() + out.entropy.sum()).backward()
+    assert x.grad is not None and x.grad.shape == (0, 5)
+
+
+# --------------------------------------------------------------------------- properties
+
+
+@given(
+    rows=st.integers(1, 12),
+    vocab=st.integers(1, 40),
+    chunk=st.integers(1, 15),
+    seed=st.integers(0, 2**16),
+    temperature=st.sampled_from([0.3, 1.0, 2.5]),
+    scale=st.sampled_from([0.01, 1.0, 30.0]),
+)
+def test_properties(
+    rows: int, vocab: int, chunk: int, seed: int, temperature: float, scale: float
+) -> None:
+    logits, tokens = inputs(rows, vocab, seed, dtype=torch.float32, scale=scale)
+    got = token_logprobs_and_entropy(logits, tokens, temperature=temperature, chunk_size=chunk)
+    one = token_logprobs_and_entropy(logits, tokens, temperature=temperature, chunk_size=rows)
+    # the block size is a memory knob only
+    torch.testing.assert_close(got.logp, one.logp, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got.entropy, one.entropy, rtol=1e-6, atol=1e-6)
+    assert bool((got.logp <= 0).all())
+    assert bool((got.entropy >= 0).all())
+    assert bool((got.entropy <= math.log(vocab) + 1e-5).all())
+    # the separate functions give the same numbers as the pair
+    torch.testing.assert_close(token_logprobs(logits, tokens, temperature=temperature), got.logp)
+    torch.testing.assert_close(token_entropy(logits, temperature=temperature), got.entropy)
+    ref = naive(logits.double(), tokens, temperature)
+    torch.testing.assert_close(got.logp.double(), ref[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.entropy.double(), ref[1], rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=20)
+@given(
+    rows=st.integers(1, 10),
+    vocab=st.integers(2, 30),
+    chunk=st.integers(1, 12),
+    seed=st.integers(0, 2**16),
+)
+def test_fused_independent_of_chunk(rows: int, vocab: int, chunk: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(rows, 6, generator=g, dtype=F64, requires_grad=True)
+    weight = torch.randn(vocab, 6, generator=g, dtype=F64, requires_grad=True)
+    tokens = torch.randint(0, vocab, (rows,), generator=g)
+    w_lp, w_h = loss_weights(rows, seed)
+    grads = []
+    for c in (chunk, rows):
+        out = fused_logprobs_entropy(hidden, weight, tokens, chunk_size=c)
+        loss = (out.logp * w_lp).sum() + (out.entropy * w_h).sum()
+        grads.append([out.logp, out.entropy, *torch.autograd.grad(loss, [hidden, weight])])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+# --------------------------------------------------------------------------- inplace
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_inplace_backward_same_gradient(dtype: torch.dtype, temperature: float) -> None:
+    logits, tokens = inputs(9, 23, 8, dtype=dtype)
+    w_lp, w_h = (w.float() for w in loss_weights(9, 8))
+    grads = []
+    for inplace in (False, True):
+        leaf = logits.clone().requires_grad_(True)
+        x = leaf * 1  # a non-leaf, like the output of lm_head
+        out = token_logprobs_and_entropy(
+            x, tokens, chunk_size=4, temperature=temperature, inplace_backward=inplace
+        )
+        ((out.logp * w_lp).sum() + (out.entropy * w_h).sum()).backward()
+        assert leaf.grad is not None
+        grads.append(leaf.grad)
+        if inplace:  # the buffer now holds the gradient
+            torch.testing.assert_close(x.detach(), leaf.grad, rtol=0, atol=0)
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+
+
+def test_inplace_backward_logprobs_only_and_3d_view() -> None:
+    g = torch.Generator().manual_seed(9)
+    base = torch.randn(3, 5, 8, generator=g)
+    tokens = torch.randint(0, 8, (3, 4), generator=g)
+    grads = []
+    for inplace in (False, True):
+        leaf = base.clone().requires_grad_(True)
+        lp = token_logprobs(leaf[:, :-1], tokens, chunk_size=3, inplace_backward=inplace)
+        lp.sum().backward()
+        assert leaf.grad is not None
+        grads.append(leaf.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+
+
+def test_inplace_misuse_is_caught_by_autograd() -> None:
+    logits, tokens = inputs(4, 6, 10, dtype=torch.float32)
+    x = logits.clone().requires_grad_(True) * 1
+    ent = token_entropy(x)  # saves x for its backward, which runs last
+    lp = token_logprobs(x, tokens, inplace_backward=True)  # overwrites x first
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (lp.sum() + ent.sum()).backward()
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.fixture(params=["checker on", "checker off"])
+def checker(request: pytest.FixtureRequest) -> Iterator[str]:
+    if request.param == "checker off":
+        jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        yield str(request.param)
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", False)
+
+
+_X, _Y = torch.randn(4, 6), torch.tensor([0, 1, 2, 5])
+_H, _W = torch.randn(4, 3), torch.randn(6, 3)
+ERROR_CASES: list[tuple[str, Callable[[], object], str]] = [
+    ("logits int", lambda: token_logprobs(_Y.view(2, 2), _Y[:2]), "logits"),
+    ("logits 1-D", lambda: token_entropy(torch.randn(6)), "logits"),
+    ("logits 4-D", lambda: token_entropy(torch.randn(1, 2, 3, 4)), "logits"),
+    ("tokens shape", lambda: token_logprobs(_X, _Y[:3]), "tokens"),
+    ("tokens float", lambda: token_logprobs(_X, _Y.float()), "tokens"),
+    ("tokens >= vocab", lambda: token_logprobs(_X, torch.tensor([0, 1, 2, 6])), "tokens"),
+    ("tokens -100", lambda: token_logprobs(_X, torch.tensor([0, -100, 2, 3])), "tokens"),
+    ("temperature 0", lambda: token_logprobs(_X, _Y, temperature=0.0), "temperature"),
+    ("temperature nan", lambda: token_entropy(_X, temperature=math.nan), "temperature"),
+    ("temperature <0", lambda: fused_logprobs_entropy(_H, _W, _Y, temperature=-1.0), "temperature"),
+    ("chunk 0", lambda: token_entropy(_X, chunk_size=0), "chunk_size"),
+    ("fused chunk 0", lambda: fused_logprobs_entropy(_H, _W, _Y, chunk_size=0), "chunk_size"),
+    ("weight d", lambda: fused_logprobs_entropy(_H, torch.randn(6, 4), _Y), "weight"),
+    ("weight dtype", lambda: fused_logprobs_entropy(_H, _W.double(), _Y), "weight"),
+    ("bias shape", lambda: fused_logprobs_entropy(_H, _W, _Y, bias=torch.randn(5)), "bias"),
+    ("fused tokens", lambda: fused_logprobs_entropy(_H, _W, torch.tensor([0, 1, 2, 9])), "tokens"),
+    ("hidden int", lambda: fused_logprobs_entropy(_Y.view(2, 2), _W, _Y[:2]), "hidden"),
+]
+
+
+@pytest.mark.parametrize(("name", "call", "arg"), ERROR_CASES, ids=[c[0] for c in ERROR_CASES])
+def test_bad_input_names_the_argument(
+    checker: str, name: str, call: Callable[[], object], arg: str
+) -> None:
+    with pytest.raises((ValueError, TypeError)) as info:
+        call()
+    if checker == "checker off":
+        assert isinstance(info.value, InputError), type(info.value)
+        assert arg in str(info.value)
+
+
+# --------------------------------------------------------------------------- compile
+
+
+@pytest.mark.usefixtures("no_runtime_typecheck")
+def test_compile_fullgraph_from_logits() -> None:
+    logits, tokens = inputs(10, 17, 11, dtype=torch.float32)
+    w_lp, w_h = (w.float() for w in loss_weights(10, 11))
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        out = token_logprobs_and_entropy(x, tokens, temperature=0.9, chunk_size=4)
+        single = token_logprobs(x, tokens, chunk_size=5).sum() + token_entropy(x).sum()
+        return (out.logp * w_lp).sum() + (out.entropy * w_h).sum() + single
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    xe = logits.clone().requires_grad_(True)
+    xc = logits.clone().requires_grad_(True)
+    loss_e, loss_c = step(xe), compiled(xc)
+    loss_e.backward()
+    loss_c.backward()
+    torch.testing.assert_close(loss_c, loss_e)
+    torch.testing.assert_close(xc.grad, xe.grad)
+
+
+@pytest.mark.usefixtures("no_runtime_typecheck")
+def test_compile_fullgraph_fused_and_inplace() -> None:
+    g = torch.Generator().manual_seed(12)
+    hidden = torch.randn(9, 4, generator=g)
+    weight = torch.randn(15, 4, generator=g)
+    tokens = torch.randint(0, 15, (9,), generator=g)
+
+    def fused(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        out = fused_logprobs_entropy(h, w, tokens, chunk_size=4)
+        return out.logp.sum() + 0.1 * out.entropy.sum()
+
+    def inplace(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        out = token_logprobs_and_entropy(h @ w.T, tokens, chunk_size=4, inplace_backward=True)
+        return out.logp.sum() + 0.1 * out.entropy.sum()
+
+    for fn in (fused, inplace):
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+        grads = []
+        for f in (fn, compiled):
+            h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+            f(h, w).backward()
+            grads.append((h.grad, w.grad))
+        torch.testing.assert_close(grads[1], grads[0])
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+@CUDA
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_matches_naive(dtype: torch.dtype) -> None:
+    dev = torch.device("cuda")
+    logits, tokens = inputs(300, 5003, 13, dtype=dtype)
+    logits, tokens = logits.to(dev), tokens.to(dev)
+    x = logits.clone().requires_grad_(True)
+    r = logits.clone().requires_grad_(True)
+    got = token_logprobs_and_entropy(x, tokens, chunk_size=64)
+    want = naive(r, tokens)
+    torch.testing.assert_close(got.logp, want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.entropy, want[1], rtol=1e-5, atol=1e-5)
+    (got.logp.sum() + got.entropy.sum()).backward()
+    (want[0].sum() + want[1].sum()).backward()
+    assert x.grad is not None and r.grad is not None
+    # bf16: one rounding apart at most; float32: reduction order differs between kernels
+    tol = 2 * torch.finfo(dtype).eps if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(x.grad.float(), r.grad.float(), rtol=tol, atol=1e-5)
+
+
+@CUDA
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_fused(dtype: torch.dtype) -> None:
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(14)
+    hidden = torch.randn(257, 64, generator=g).to(dev, dtype)
+    weight = (torch.randn(4099, 64, generator=g) * 0.2).to(dev, dtype)
+    tokens = torch.randint(0, 4099, (257,), generator=g).to(dev)
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    out = fused_logprobs_entropy(h, w, tokens, chunk_size=100)
+    hr, wr = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+    want = naive(hr @ wr.T, tokens)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(out.logp.double(), want[0], rtol=tol, atol=tol)
+    torch.testing.assert_close(out.entropy.double(), want[1], rtol=tol, atol=tol)
+    (out.logp.sum() + out.entropy.sum()).backward()
+    (want[0].sum() + want[1].sum()).backward()
+    assert h.grad is not None and hr.grad is not None and h.grad.dtype == dtype
+    torch.testing.assert_close(h.grad.double(), hr.grad, rtol=tol, atol=tol)
+
+
+def test_named_tuple() -> None:
+    out = token_logprobs_and_entropy(torch.zeros(1, 2), torch.tensor([1]))
+    assert isinstance(out, LogpEntropy)
+    torch.testing.assert_close(out.logp, torch.tensor([-math.log(2)]))
