@@ -16,10 +16,10 @@ def test_drop_in_example_runs_and_backpropagates() -> None:
     assert match, "README.md lost its drop-in example"
     namespace: dict[str, object] = {}
     exec(compile(match.group(1), "README.md", "exec"), namespace)
-    loss, logp = namespace["loss"], namespace["logp"]
+    loss, hidden = namespace["loss"], namespace["hidden"]
     assert isinstance(loss, torch.Tensor) and loss.dtype == torch.float32
-    assert isinstance(logp, torch.Tensor) and logp.grad is not None
-    assert bool(torch.isfinite(logp.grad).all())
+    assert isinstance(hidden, torch.Tensor) and hidden.grad is not None
+    assert bool(torch.isfinite(hidden.grad).all()) and bool(hidden.grad.abs().sum() > 0)
 
 
 def test_readme_has_the_two_setup_commands() -> None:
