@@ -122,93 +122,43 @@ def token_level_loss(
         raise InputError(f"kl_beta must be finite and >= 0, got {kl_beta}")
     if kl_beta > 0 and ref_logp is None:
         raise InputError(f"kl_beta={kl_beta} needs ref_logp (the reference policy's log-probs)")
+    clip_opts = {
+        "eps_low": eps_low,
+        "eps_high": eps_high,
+        "dual_clip": dual_clip,
+        "log_ratio_clamp": log_ratio_clamp,
+    }
     if kl_beta == 0 and is_weights is None:
         # DAPO's path: one fused pass with an analytic backward (dapo_ops._fused), the
-        # same value and gradient as the composition below, ~5-9x faster, ~1/7 the memory
+        # same value and gradient as the composition below, ~4-9x faster, ~1/7 the memory
         loss = fused_token_level_loss(
             logp,
             old_logp,
             advantages,
             mask,
-            eps_low=eps_low,
-            eps_high=eps_high,
             mode=mode,
             normalizer=normalizer,
-            dual_clip=dual_clip,
             max_len=max_len,
-            log_ratio_clamp=log_ratio_clamp,
+            **clip_opts,  # type: ignore[arg-type]
         )
-        return _with_diagnostics(
-            loss,
-            return_diagnostics,
-            logp,
-            old_logp,
-            advantages,
-            mask,
-            eps_low,
-            eps_high,
-            dual_clip,
-            log_ratio_clamp,
+    else:
+        per_token = clip_higher_surrogate(logp, old_logp, advantages, mask, **clip_opts)  # type: ignore[arg-type]
+        if is_weights is not None:
+            check_float("is_weights", is_weights)
+            check_same_shape("is_weights", is_weights, "logp", logp)
+            valid = as_bool_mask("mask", mask, "logp", logp)
+            weights = torch.where(
+                valid, is_weights.to(per_token.dtype), torch.zeros_like(per_token)
+            )
+            per_token = per_token * weights.detach()
+        if kl_beta > 0 and ref_logp is not None:
+            kl = kl_penalty(
+                logp, ref_logp, mask, estimator=kl_estimator, log_ratio_clamp=log_ratio_clamp
+            )
+            per_token = per_token + kl_beta * kl
+        loss = token_level_aggregate(
+            per_token, mask, mode=mode, normalizer=normalizer, max_len=max_len
         )
-    per_token = clip_higher_surrogate(
-        logp,
-        old_logp,
-        advantages,
-        mask,
-        eps_low=eps_low,
-        eps_high=eps_high,
-        dual_clip=dual_clip,
-        log_ratio_clamp=log_ratio_clamp,
-    )
-    if is_weights is not None:
-        check_float("is_weights", is_weights)
-        check_same_shape("is_weights", is_weights, "logp", logp)
-        valid = as_bool_mask("mask", mask, "logp", logp)
-        weights = torch.where(valid, is_weights.to(per_token.dtype), torch.zeros_like(per_token))
-        per_token = per_token * weights.detach()
-    if kl_beta > 0 and ref_logp is not None:
-        kl = kl_penalty(
-            logp, ref_logp, mask, estimator=kl_estimator, log_ratio_clamp=log_ratio_clamp
-        )
-        per_token = per_token + kl_beta * kl
-    loss = token_level_aggregate(per_token, mask, mode=mode, normalizer=normalizer, max_len=max_len)
-    return _with_diagnostics(
-        loss,
-        return_diagnostics,
-        logp,
-        old_logp,
-        advantages,
-        mask,
-        eps_low,
-        eps_high,
-        dual_clip,
-        log_ratio_clamp,
-    )
-
-
-def _with_diagnostics(
-    loss: Tensor,
-    return_diagnostics: bool,
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    eps_low: float,
-    eps_high: float,
-    dual_clip: float | None,
-    log_ratio_clamp: float,
-) -> Tensor | tuple[Tensor, PolicyDiagnostics]:
-    """``loss``, or ``(loss, policy_diagnostics(...))`` when asked for."""
     if not return_diagnostics:
         return loss
-    diagnostics = policy_diagnostics(
-        logp,
-        old_logp,
-        advantages,
-        mask,
-        eps_low=eps_low,
-        eps_high=eps_high,
-        dual_clip=dual_clip,
-        log_ratio_clamp=log_ratio_clamp,
-    )
-    return loss, diagnostics
+    return loss, policy_diagnostics(logp, old_logp, advantages, mask, **clip_opts)  # type: ignore[arg-type]
