@@ -20,6 +20,7 @@ from dapo_ops.aggregation import AggregationMode, token_level_aggregate
 from dapo_ops.cispo import cispo_surrogate
 from dapo_ops.gspo import gspo_surrogate
 from dapo_ops.kl import KLEstimator, kl_penalty
+from dapo_ops.loss import token_level_loss
 from dapo_ops.surrogate import clip_higher_surrogate
 
 Surrogate = Literal["ppo", "gspo", "cispo"]
@@ -125,7 +126,29 @@ class ObjectivePreset:
         normalizer: Float[Tensor, ""] | Integer[Tensor, ""] | int | float | None = None,
         max_len: int | None = None,
     ) -> Float[Tensor, ""]:
-        """:meth:`per_token_loss` aggregated with the preset's mode (scalar, float32)."""
+        """:meth:`per_token_loss` aggregated with the preset's mode (scalar, float32).
+
+        PPO-style presets go through :func:`token_level_loss`, so they get its fused fast
+        path whenever ``kl_beta == 0`` (DAPO, Dr. GRPO); GSPO and CISPO compose.
+        """
+        if self.surrogate == "ppo":
+            if self.kl_beta > 0 and ref_logp is None:
+                raise InputError(f"preset {self.name!r} has kl_beta={self.kl_beta}: pass ref_logp")
+            return token_level_loss(
+                logp,
+                old_logp,
+                advantages,
+                mask,
+                eps_low=self.eps_low,
+                eps_high=self.eps_high,
+                dual_clip=self.dual_clip,
+                mode=self.mode,
+                normalizer=normalizer,
+                max_len=max_len,
+                ref_logp=ref_logp if self.kl_beta > 0 else None,
+                kl_beta=self.kl_beta,
+                kl_estimator=self.kl_estimator,
+            )
         per_token = self.per_token_loss(logp, old_logp, advantages, mask, ref_logp=ref_logp)
         return token_level_aggregate(
             per_token, mask, mode=self.mode, normalizer=normalizer, max_len=max_len
