@@ -1,12 +1,15 @@
 """Chunked token log-probs / entropy and the fused output projection.
 
 Gradients are checked with float64 ``gradcheck`` (both outputs, temperature != 1, chunk
-sizes that do not divide the rows); values and gradients against the naive
-``log_softmax`` path in float32 and bfloat16; properties with hypothesis.
+sizes that do not divide the rows, backward pieces of a few rows); values and gradients
+against the naive ``log_softmax`` path in float32, float64 and bfloat16; properties with
+hypothesis; the backward's working memory with the profiler's allocator events.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import math
 from collections.abc import Callable, Iterator
 
@@ -16,6 +19,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dapo_ops import logprobs as logprobs_module
+from dapo_ops import token_level_loss
 from dapo_ops._validate import InputError
 from dapo_ops.logprobs import (
     LogpEntropy,
@@ -26,7 +31,11 @@ from dapo_ops.logprobs import (
 )
 
 F64 = torch.float64
+BF16 = torch.bfloat16
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+LIGER = pytest.mark.skipif(
+    importlib.util.find_spec("liger_kernel") is None, reason="needs liger-kernel (a benchmark peer)"
+)
 
 
 def naive(
@@ -322,6 +331,229 @@ def test_inplace_misuse_is_caught_by_autograd() -> None:
     lp = token_logprobs(x, tokens, inplace_backward=True)  # overwrites x first
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         (lp.sum() + ent.sum()).backward()
+
+
+# --------------------------------------------------------------------------- backward pieces
+
+
+@contextlib.contextmanager
+def piece_elements(n: int) -> Iterator[None]:
+    """Backward pieces of ``max(1, n // vocab)`` rows while the block runs."""
+    sizes = logprobs_module.BACKWARD_PIECE_ELEMENTS
+    saved = dict(sizes)
+    sizes.update(cpu=n, other=n)
+    try:
+        yield
+    finally:
+        sizes.update(saved)
+
+
+def outputs(
+    x: torch.Tensor, tokens: torch.Tensor, want: str, **opts: object
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(logp, entropy) of the call under test; None for an output that gets no gradient."""
+    if want == "logp":
+        return token_logprobs(x, tokens, **opts), None  # type: ignore[arg-type]
+    if want == "entropy":
+        opts.pop("inplace_backward", None)
+        return None, token_entropy(x, **opts)  # type: ignore[arg-type]
+    out = token_logprobs_and_entropy(x, tokens, **opts)  # type: ignore[arg-type]
+    return (None if want == "pair_entropy" else out.logp), out.entropy
+
+
+@pytest.mark.parametrize("want", ["both", "logp", "entropy", "pair_entropy"])
+def test_gradcheck_backward_pieces(want: str) -> None:
+    """float64, pieces of 2 rows inside blocks of 5 (the last piece and block are short)."""
+    logits, tokens = inputs(13, 6, 15)
+    logits.requires_grad_(True)
+
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        got = outputs(x, tokens, want, temperature=0.6, chunk_size=5)
+        return tuple(t for t in got if t is not None)
+
+    with piece_elements(12):
+        assert torch.autograd.gradcheck(f, (logits,))
+
+
+@settings(max_examples=40)
+@given(
+    rows=st.integers(1, 9),
+    vocab=st.integers(2, 40),
+    chunk=st.integers(1, 7),
+    piece_rows=st.integers(1, 4),
+    dtype=st.sampled_from([torch.float32, F64, BF16]),
+    temperature=st.sampled_from([1.0, 0.7, 1.9]),
+    want=st.sampled_from(["both", "logp", "entropy", "pair_entropy"]),
+    layout=st.sampled_from(["2d", "3d", "3d_view"]),
+    inplace=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_backward_pieces_match_naive(
+    rows: int,
+    vocab: int,
+    chunk: int,
+    piece_rows: int,
+    dtype: torch.dtype,
+    temperature: float,
+    want: str,
+    layout: str,
+    inplace: bool,
+    seed: int,
+) -> None:
+    """Values and gradients of every backward path against float64 autograd of the naive code.
+
+    ``layout``: [rows, vocab]; [2, rows, vocab]; or the view ``[2, rows + 1, vocab][:, :-1]``
+    whose leading dims do not merge. Blocks of ``chunk`` rows, pieces of ``piece_rows``.
+    """
+    g = torch.Generator().manual_seed(seed)
+    shape = {"2d": (rows, vocab), "3d": (2, rows, vocab), "3d_view": (2, rows + 1, vocab)}[layout]
+    base = (torch.randn(shape, generator=g, dtype=F64) * 3).to(dtype)
+    out_shape = (rows,) if layout == "2d" else (2, rows)
+    tokens = torch.randint(0, vocab, out_shape, generator=g)
+    w_lp = torch.randn(out_shape, generator=g, dtype=F64)
+    w_h = torch.randn(out_shape, generator=g, dtype=F64)
+
+    def run(leaf: torch.Tensor, ours: bool) -> list[torch.Tensor]:
+        x = leaf * 1  # a non-leaf, so that inplace_backward may overwrite it
+        x = x[:, :-1] if layout == "3d_view" else x
+        if ours:
+            got = outputs(
+                x, tokens, want, temperature=temperature, chunk_size=chunk, inplace_backward=inplace
+            )
+        else:
+            lp, ent = naive(x, tokens, temperature)
+            got = (
+                (None if want in ("entropy", "pair_entropy") else lp),
+                (None if want == "logp" else ent),
+            )
+        terms = [
+            (t.double() * w).sum() for t, w in zip(got, (w_lp, w_h), strict=True) if t is not None
+        ]
+        (grad,) = torch.autograd.grad(torch.stack(terms).sum(), [leaf])
+        return [*(t.detach().double() for t in got if t is not None), grad.double()]
+
+    with piece_elements(piece_rows * vocab):
+        got = run(base.clone().requires_grad_(True), True)
+    want_ = run(base.double().requires_grad_(True), False)  # exact: float64 on the same values
+    # float32 math: a few float32 ulps of the largest terms (|log p| up to ~30 here); the
+    # gradient in the input dtype: plus one rounding to it (bfloat16: 2**-8 relative)
+    tol = {torch.float32: 2e-5, F64: 1e-10, BF16: 2e-5}[dtype]
+    grad_rtol = {torch.float32: 2e-5, F64: 1e-10, BF16: 2.0**-7}[dtype]
+    for name, a, b in zip(["out0", "out1", "grad"][-len(got) :], got, want_, strict=True):
+        rtol = grad_rtol if name == "grad" else tol
+        torch.testing.assert_close(a, b, rtol=rtol, atol=tol, msg=name)
+
+
+def backward_peak(loss: torch.Tensor, x: torch.Tensor) -> int:
+    """Peak bytes of live tensors allocated while ``dloss/dx`` is computed (gradient included).
+
+    The CPU analogue of ``torch.cuda.max_memory_allocated``: the profiler's allocation and
+    free events replayed in order (as ``benchmarks/bench_logprobs.py`` measures).
+    """
+    prof = torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    )
+    with prof:
+        torch.autograd.grad(loss, [x])
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    cur = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        cur += e.nbytes()
+        peak = max(peak, cur)
+    return peak
+
+
+def extra_above_gradient(
+    rows: int, vocab: int, dtype: torch.dtype, want: str, temperature: float, inplace: bool
+) -> tuple[int, int]:
+    """(peak bytes during backward beyond the gradient buffer, logits bytes)."""
+    logits, tokens = inputs(rows, vocab, 16, dtype=torch.float32)
+    w_lp, w_h = (w.float() for w in loss_weights(rows, 16))
+    x = logits.to(dtype).requires_grad_(True) * 1  # non-leaf: the gradient w.r.t. it is returned
+    lp, ent = outputs(x, tokens, want, temperature=temperature, inplace_backward=inplace)
+    terms = [(t * w).sum() for t, w in zip((lp, ent), (w_lp, w_h), strict=True) if t is not None]
+    size = x.numel() * x.element_size()
+    peak = backward_peak(torch.stack(terms).sum(), x)
+    return peak - (0 if inplace else size), size
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("want", ["both", "logp"])
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_backward_working_memory_is_one_piece(dtype: torch.dtype, want: str, inplace: bool) -> None:
+    """Beyond the gradient buffer, backward allocates one piece's temporaries, not a block.
+
+    Pieces of one row, temperature 0.7 (``z / T`` is formed in the gradient buffer too):
+    float32 logits need a float32 ``p`` with entropy and nothing without it; bfloat16
+    logits also upcast the piece. Plus a few floats per row (upstream gradients, per-row
+    factors).
+    """
+    rows, vocab = 1024, 8192
+    with piece_elements(vocab):
+        extra, size = extra_above_gradient(rows, vocab, dtype, want, 0.7, inplace)
+    temporaries = (want == "both") + (dtype != torch.float32)
+    assert extra <= temporaries * vocab * 4 + 32 * rows, extra
+    assert extra < 0.01 * size, extra / size
+
+
+@pytest.mark.parametrize("want", ["both", "logp"])
+def test_default_backward_extra_peak_below_one_percent(want: str) -> None:
+    """The default path (float32, default pieces): the gradient buffer plus < 1 % of the logits."""
+    extra, size = extra_above_gradient(2048, 8192, torch.float32, want, 0.7, False)
+    assert extra < 0.01 * size, extra / size
+
+
+# --------------------------------------------------------------------------- peer
+
+
+@LIGER
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_fused_dapo_loss_matches_liger_grpo(dtype: torch.dtype) -> None:
+    """Our fused log-probs + token_level_loss and Liger's chunked GRPO loss, configured as
+    DAPO (token mean, clip 0.2 / 0.28, no KL), give the same loss and gradients.
+
+    This is the pairing that ``benchmarks/bench_logprobs.py`` times side by side. Liger
+    accumulates in float32 whatever the input dtype, hence float32 tolerances throughout.
+    """
+    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+    g = torch.Generator().manual_seed(17)
+    batch, seq, d, vocab, temperature = 4, 24, 16, 300, 0.8
+    hidden = torch.randn(batch, seq, d, generator=g, dtype=F64).to(dtype)
+    weight = (torch.randn(vocab, d, generator=g, dtype=F64) * 0.4).to(dtype)
+    tokens = torch.randint(0, vocab, (batch, seq), generator=g)
+    mask = torch.rand(batch, seq, generator=g) > 0.2
+    advantages = torch.randn(batch, generator=g, dtype=F64).to(dtype)
+    with torch.no_grad():  # old log-probs near the current ones: some ratios clip, most not
+        logp = fused_logprobs_entropy(hidden, weight, tokens, temperature=temperature).logp
+    old_logp = (logp + 0.3 * torch.randn(batch, seq, generator=g, dtype=F64)).to(dtype)
+
+    h1, w1 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    out = fused_logprobs_entropy(h1, w1, tokens, temperature=temperature, chunk_size=20)
+    ours = token_level_loss(out.logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.28)
+    ours.backward()
+
+    h2, w2 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    liger = LigerFusedLinearGRPOLoss(
+        beta=0.0,
+        use_ref_model=False,
+        loss_type="dapo",
+        epsilon_low=0.2,
+        epsilon_high=0.28,
+        temperature=temperature,
+        compiled=False,
+        chunk_size=1,
+    )
+    theirs, (clip_frac,) = liger(
+        h2, w2, tokens, mask.long(), advantages, old_per_token_logps=old_logp
+    )
+    theirs.backward()
+
+    assert 0 < clip_frac.item() < 0.5  # the clip is exercised
+    torch.testing.assert_close(ours.float(), theirs.float(), rtol=1e-5, atol=1e-6)
+    for a, b in ((h1.grad, h2.grad), (w1.grad, w2.grad)):
+        assert a is not None and b is not None
+        torch.testing.assert_close(a.double(), b.double(), rtol=1e-4, atol=1e-6)
 
 
 # --------------------------------------------------------------------------- errors

@@ -8,8 +8,9 @@ for the backward pass. The functions here work on blocks of at most ``chunk_size
 
 - :func:`token_logprobs`, :func:`token_entropy`, :func:`token_logprobs_and_entropy` take
   the logits; they save only a reference to them (plus the log-sum-exp and the entropy,
-  one float each per row, when the entropy is computed) and recompute each block's
-  softmax in backward.
+  one float each per row, when the entropy is computed) and recompute the softmax in
+  backward, a few rows at a time, inside the gradient buffer itself: beyond the gradient,
+  backward needs one small piece of scratch, not a block.
   ``inplace_backward=True`` writes the gradient into the logits buffer itself.
 - :func:`fused_logprobs_entropy` takes the last hidden states and the output projection:
   the logits exist one block at a time, in forward and in backward.
@@ -47,6 +48,15 @@ DEFAULT_FUSED_CHUNK_ELEMENTS = {"cpu": 2**25, "other": 2**27}
 #: is exactly 0 in float32 and float64, so no result changes; it only turns the
 #: ``0 * (-inf)`` of a ``-inf`` logit (a masked vocabulary entry) into ``0 * finite``.
 LOGP_FLOOR = -1.0e4
+
+#: Backward works on *pieces* of ``max(1, elements // vocab)`` rows inside each block and
+#: keeps its working memory in the gradient buffer: the only temporary is one piece's
+#: probabilities (with entropy) plus, for bfloat16/float16 logits, the piece upcast to
+#: float32. On CPU, 2**16 elements (256 KiB of float32; one row when a row is longer):
+#: small next to any logits worth chunking, still large enough for each op to run on two
+#: threads (ATen splits elementwise ops into grains of 2**15 elements). On GPUs, 2**22
+#: (16 MiB), so that kernel launches do not dominate.
+BACKWARD_PIECE_ELEMENTS = {"cpu": 2**16, "other": 2**22}
 
 
 class LogpEntropy(NamedTuple):
@@ -200,55 +210,132 @@ def _block_forward(
     return lse, (None if picked is None else picked - lse), entropy
 
 
-def _block_backward(
-    z: Tensor,
-    owned: bool,
-    tok: Tensor | None,
-    lse: Tensor,
-    entropy: Tensor | None,
-    a: Tensor | None,
-    b: Tensor | None,
-    temperature: float,
-    cdt: torch.dtype,
-    out: Tensor | None = None,
-) -> Tensor:
-    """Gradient w.r.t. the raw logits of one block, in ``cdt``, or written into ``out``.
+class _RowCoefs(NamedTuple):
+    r"""Per-row factors of one row's gradient, as ``[rows, 1]`` columns.
 
-    ``a = dL/dlogp / T`` and ``b = dL/dH / T`` per row (None when no gradient flows):
-    ``dL/dx = a * (onehot(y) - p) - b * p * (log p + H)``.
+    With :math:`a = g^{\log p}/T` and :math:`b = g^{H}/T`,
+    :math:`\partial L/\partial x_v = p_v\,(\beta \log p_v + c) + a\,\delta_{v,y}` where
+    :math:`\beta = -b` and :math:`c = -(b H + a)`. ``a`` is None without a log-prob
+    gradient, ``neg_b`` None without an entropy gradient (then :math:`c = -a`).
     """
-    zf, owned = _scaled(z, owned, temperature, cdt)
-    del z  # a low-precision block is freed once upcast
-    prob = torch.softmax(zf, dim=1)  # = exp(z/T - lse), one fused pass
-    if b is None:
-        assert a is not None
-        coef = -a.unsqueeze(1)
-    else:
-        assert entropy is not None
-        logp = zf.sub_(lse.unsqueeze(1)) if owned else zf - lse.unsqueeze(1)
-        logp.clamp_(min=LOGP_FLOOR)
-        coef = logp.add_(entropy.unsqueeze(1)).mul_(-b.unsqueeze(1))  # -b (log p + H)
-        if a is not None:
-            coef.sub_(a.unsqueeze(1))
-    # Write the product straight into the gradient buffer when dtypes agree (eager only:
-    # ``out=`` into a view is kept out of compiled graphs).
-    direct = out is not None and out.dtype == cdt and not is_compiling()
-    grad = torch.mul(prob, coef, out=out) if direct else prob.mul_(coef)
-    if a is not None:
-        assert tok is not None
-        grad.scatter_add_(1, tok.unsqueeze(1), a.unsqueeze(1))
-    if out is not None and not direct:
-        out.copy_(grad)
-        return out
-    return grad
+
+    a: Tensor | None
+    neg_b: Tensor | None
+    c: Tensor
+
+
+def _coef_rows(coefs: _RowCoefs, start: int, stop: int) -> _RowCoefs:
+    """The factors of rows ``start:stop``."""
+    a = None if coefs.a is None else coefs.a[start:stop]
+    neg_b = None if coefs.neg_b is None else coefs.neg_b[start:stop]
+    return _RowCoefs(a, neg_b, coefs.c[start:stop])
 
 
 def _row_coefs(
-    grad_logp: Tensor | None, grad_entropy: Tensor | None, temperature: float, cdt: torch.dtype
-) -> tuple[Tensor | None, Tensor | None]:
-    a = None if grad_logp is None else grad_logp.reshape(-1).to(cdt) / temperature
-    b = None if grad_entropy is None else grad_entropy.reshape(-1).to(cdt) / temperature
-    return a, b
+    grad_logp: Tensor | None,
+    grad_entropy: Tensor | None,
+    entropy: Tensor,
+    temperature: float,
+    cdt: torch.dtype,
+) -> _RowCoefs:
+    """:class:`_RowCoefs` from the upstream gradients (at least one is not None)."""
+    a = None if grad_logp is None else (grad_logp.reshape(-1, 1).to(cdt) / temperature)
+    if grad_entropy is None:
+        assert a is not None
+        return _RowCoefs(a, None, -a)
+    neg_b = grad_entropy.reshape(-1, 1).to(cdt) / -temperature
+    c = neg_b * entropy.unsqueeze(1)
+    return _RowCoefs(a, neg_b, c if a is None else c.sub_(a))
+
+
+def _sub_into(dst: Tensor, src: Tensor, x: Tensor) -> Tensor:
+    """``src - x`` written into ``dst``; in place when ``src is dst`` (the only form compiled)."""
+    return dst.sub_(x) if src is dst else torch.sub(src, x, out=dst)
+
+
+def _div_into(dst: Tensor, src: Tensor, x: float) -> Tensor:
+    """``src / x`` written into ``dst``; in place when ``src is dst``."""
+    return dst.div_(x) if src is dst else torch.div(src, x, out=dst)
+
+
+def _piece_grad(
+    dst: Tensor,
+    src: Tensor,
+    tok: Tensor | None,
+    lse: Tensor | None,
+    coefs: _RowCoefs,
+    temperature: float,
+) -> None:
+    r"""Gradient w.r.t. the raw logits ``src`` of a few rows, written into ``dst``.
+
+    ``dst`` has the compute dtype and may be ``src`` itself (every step is elementwise or
+    a row reduction that is read before the row is overwritten). With :math:`z = x/T`:
+
+    - log-probs only: :math:`p = e^{z - m} / \sum_v e^{z_v - m}` formed in ``dst``
+      (:math:`m` the row max), then :math:`p \cdot c`;
+    - with entropy: :math:`\log p = \max(z - \ell, -10^4)` formed in ``dst``,
+      :math:`p = e^{\log p}` in the one temporary, then
+      :math:`p\,(\beta \log p + c)` in ``dst``;
+
+    then :math:`a` is added at the chosen token. No temporary but ``p``, of ``dst``'s size.
+    """
+    if temperature != 1.0:
+        src = _div_into(dst, src, temperature)
+    if coefs.neg_b is None:  # softmax in place: no log-sum-exp needed
+        _sub_into(dst, src, src.amax(dim=1, keepdim=True)).exp_()
+        dst.mul_(coefs.c / dst.sum(dim=1, keepdim=True))
+    else:
+        assert lse is not None
+        _sub_into(dst, src, lse).clamp_(min=LOGP_FLOOR)  # log p
+        prob = torch.exp(dst)
+        dst.mul_(coefs.neg_b).add_(coefs.c).mul_(prob)
+    if coefs.a is not None:
+        assert tok is not None
+        dst.scatter_add_(1, tok, coefs.a)
+
+
+def _piece_rows(z: Tensor) -> int:
+    """Rows per backward piece of block ``z``; the whole block under ``torch.compile``."""
+    if is_compiling():  # one piece per block: fewer graph nodes
+        return z.shape[0]
+    return _auto_chunk(None, z.shape[1], z.device, BACKWARD_PIECE_ELEMENTS)
+
+
+def _block_grad(
+    z: Tensor,
+    out: Tensor,
+    tok: Tensor | None,
+    lse: Tensor | None,
+    coefs: _RowCoefs,
+    temperature: float,
+    cdt: torch.dtype,
+) -> None:
+    """Write the gradient w.r.t. the raw logits ``z`` of one block into ``out``.
+
+    ``out`` (the block's slice of the gradient buffer, or ``z`` itself to overwrite the
+    logits) is the working memory: when it has the compute dtype every piece is computed
+    in it directly and the only temporary is one piece's ``p``. Otherwise (bfloat16/float16
+    gradients, or under ``torch.compile``, which gets no ``out=`` into views) each piece
+    is upcast into a float32 temporary, computed there and copied into ``out``.
+    ``tok``, ``lse`` and ``coefs`` are the block's rows, as ``[rows, 1]`` columns.
+    """
+    rows = z.shape[0]
+    direct = out.dtype == cdt and (out is z or not is_compiling())
+    step = _piece_rows(z)
+    for s in range(0, rows, step):
+        if step >= rows:  # one piece: the tensors themselves, no slicing (the compiled form)
+            zp, op, tp, lp, cp = z, out, tok, lse, coefs
+        else:
+            zp, op, cp = z[s : s + step], out[s : s + step], _coef_rows(coefs, s, s + step)
+            tp = None if tok is None else tok[s : s + step]
+            lp = None if lse is None else lse[s : s + step]
+        if direct:
+            _piece_grad(op, zp, tp, lp, cp, temperature)
+        else:
+            buf = zp.to(cdt, copy=True)
+            _piece_grad(buf, buf, tp, lp, cp, temperature)
+            op.copy_(buf)
+            del buf  # before the next piece's is allocated
 
 
 # --------------------------------------------------------------------------- from logits
@@ -308,27 +395,25 @@ class _LogitsLogpEntropy(torch.autograd.Function):
             grad_entropy = None
         if grad_logp is None and grad_entropy is None:
             return (None,) * 6
-        cdt = lse.dtype
-        a, b = _row_coefs(grad_logp, grad_entropy, ctx.temperature, cdt)
-        # In place: each block is read (recomputed) before its gradient overwrites it, and
-        # blocks do not overlap, so the buffer can hold the gradient.
+        coefs = _row_coefs(grad_logp, grad_entropy, entropy, ctx.temperature, lse.dtype)
+        tok_col = None if tokens is None else tokens.unsqueeze(1)
+        lse_col = lse.unsqueeze(1) if coefs.neg_b is not None else None
+        # In place: each piece is read (recomputed) before its gradient overwrites it, and
+        # pieces do not overlap, so the buffer can hold the gradient.
         if ctx.inplace:
             grad = logits
         else:
             grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
             flat_grad = grad.view(-1, logits.shape[-1])
         for start, stop, block in _blocks(logits, ctx.chunk):
-            _block_backward(
+            _block_grad(
                 block,
-                False,
-                None if tokens is None else tokens[start:stop],
-                lse[start:stop],
-                None if b is None else entropy[start:stop],
-                None if a is None else a[start:stop],
-                None if b is None else b[start:stop],
+                block if ctx.inplace else flat_grad[start:stop],
+                None if tok_col is None else tok_col[start:stop],
+                None if lse_col is None else lse_col[start:stop],
+                _coef_rows(coefs, start, stop),
                 ctx.temperature,
-                cdt,
-                out=block if ctx.inplace else flat_grad[start:stop],
+                lse.dtype,
             )
         return grad, None, None, None, None, None
 
@@ -542,7 +627,8 @@ class _FusedLinearLogpEntropy(torch.autograd.Function):
         if not (need_h or need_w or need_b) or (grad_logp is None and grad_entropy is None):
             return (None,) * 6
         cdt = lse.dtype
-        a, b = _row_coefs(grad_logp, grad_entropy, ctx.temperature, cdt)
+        coefs = _row_coefs(grad_logp, grad_entropy, entropy, ctx.temperature, cdt)
+        tok_col, lse_col = tokens.unsqueeze(1), lse.unsqueeze(1)
         dtype = hidden.dtype
         grad_h = torch.empty_like(hidden) if need_h else None
         # Weight and bias gradients sum over blocks: accumulate in float32 (float64).
@@ -552,14 +638,15 @@ class _FusedLinearLogpEntropy(torch.autograd.Function):
         for start in range(0, rows, ctx.chunk):
             stop = min(start + ctx.chunk, rows)
             h = hidden[start:stop]
-            g = _block_backward(
-                _linear(h, weight, bias),  # no other reference: freed early
-                True,
-                tokens[start:stop],
-                lse[start:stop],
-                None if b is None else entropy[start:stop],
-                None if a is None else a[start:stop],
-                None if b is None else b[start:stop],
+            g = _linear(h, weight, bias)  # no other reference: overwritten by its gradient
+            if g.dtype != cdt:
+                g = g.to(cdt)
+            _block_grad(
+                g,
+                g,
+                tok_col[start:stop],
+                lse_col[start:stop] if coefs.neg_b is not None else None,
+                _coef_rows(coefs, start, stop),
                 ctx.temperature,
                 cdt,
             )
