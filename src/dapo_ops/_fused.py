@@ -44,17 +44,15 @@ Execution paths, all computing the same thing:
 - eager on other devices, and while traced by ``torch.compile`` around the caller
   (fullgraph-clean, no host sync): the ``where``-based body :func:`_chunk_terms` on the
   whole batch;
-- ``compiled=True``: :func:`_chunk_terms` through ``torch.compile`` (inductor: one fused
-  kernel for loss row sums + gradient), compiled lazily on first use and cached. Its
-  results equal the reference up to float rounding (inductor may contract or reorder
-  float ops), not bitwise.
+- ``compiled=True``: :mod:`dapo_ops._compiled` (one ``torch.compile`` graph, compiled
+  lazily on first use and cached): the loss written as one clamp per token, the same
+  values up to float rounding, ``clamp``'s gradient convention at the kinks.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from einops import rearrange
@@ -62,25 +60,21 @@ from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from dapo_ops._compiled import compiled_chunk_terms, compiled_token_level_loss
 from dapo_ops._validate import (
     InputError,
     check_clip_range,
-    check_option,
     is_compiling,
 )
-from dapo_ops.aggregation import (
-    AGGREGATION_MODES,
-    AggregationMode,
-    check_max_len,
-    check_normalizer,
-)
+from dapo_ops.aggregation import AggregationMode, Normalizer, loss_scale, scaled_sum
 from dapo_ops.surrogate import LOG_RATIO_CLAMP, compute_dtype, policy_inputs
 
-#: Default chunk size (elements) on CPU: 256 Ki float32 = 1 MiB per buffer, so the
-#: eight buffers of one chunk stay in the last-level cache.
-CPU_CHUNK_ELEMS = 1 << 18
-
-Normalizer = Float[Tensor, ""] | Integer[Tensor, ""] | int | float | Literal["local"] | None
+#: Default chunk size (elements) on CPU: 128 Ki float32 = 512 KiB per buffer; the eight
+#: buffers of one chunk (4 MiB) stay in the last-level cache, and each op on a chunk is
+#: long enough to split across threads. They are allocated on every call (the library
+#: keeps no buffers between calls); in a process that has freed a large tensor before,
+#: as any trainer has, glibc serves them from its heap without new page faults.
+CPU_CHUNK_ELEMS = 1 << 17
 
 
 # --------------------------------------------------------------------------------------
@@ -135,31 +129,21 @@ def _chunk_terms(
     if not with_grad:
         return row_sums, None
     assert in_band is not None
-    half = torch.full((), 0.5, dtype=dtype, device=ratio.device)
     # torch.maximum's autograd: all to the larger branch, half each on a tie. The clipped
     # branch passes the gradient only inside the band (clamp's autograd), and inside the
-    # band both products are equal, so  d loss / d r = -A * (H(u - c) + 0.5 * in_band).
-    factor = torch.sub(unclipped, clipped, out=clipped).heaviside_(half).add_(in_band, alpha=0.5)
-    del unclipped
+    # band both products are equal, so  d loss / d r = -A * factor  with factor 1 where
+    # u > c or inside the band, 1/2 on a tie outside it, 0 elsewhere. Written with float
+    # ``where`` (not ``heaviside``, which inductor does not vectorise on CPU).
+    tie = torch.where(in_band, 1.0, 0.5)
+    factor = torch.where(unclipped > clipped, 1.0, torch.where(unclipped == clipped, tie, 0.0))
+    del unclipped, clipped, tie
     if dual_clip is not None:
         # torch.minimum's autograd for the dual bound (a constant in logp)
-        factor.mul_(torch.sub(bound, loss, out=loss).heaviside_(half))
+        share = torch.where(loss < bound, 1.0, torch.where(loss == bound, 0.5, 0.0))
+        factor = factor * share
     # same rounding order as the reference autograd chain: ((w * -A) * factor) * r
-    grad = factor.mul_(scale * neg_adv).mul_(ratio)
+    grad = (scale * neg_adv * factor).mul_(ratio)
     return row_sums, torch.where(keep, grad, 0.0)
-
-
-_COMPILED: dict[str, Callable[..., Any]] = {}
-
-
-def _compiled_chunk_terms(backend: str) -> Callable[..., Any]:
-    """``torch.compile`` of :func:`_chunk_terms` for ``backend``, built on first use."""
-    fn = _COMPILED.get(backend)
-    if fn is None:
-        # dynamic=None: specialised on the first shape, one dynamic-shape recompile after
-        fn = torch.compile(_chunk_terms, fullgraph=True, backend=backend)
-        _COMPILED[backend] = fn
-    return fn
 
 
 def _row_chunks(batch: int, seq: int, device: torch.device, chunk_elems: int | None) -> int:
@@ -188,23 +172,21 @@ def _all_terms(
     """Row sums ``[batch]`` and the logp gradient ``[batch, seq]`` (or None), chunked."""
     batch, seq = logp.shape
     opts = (eps_low, eps_high, dual_clip, log_ratio_clamp, with_grad)
-    if compiled and not is_compiling():
-        body = _compiled_chunk_terms("inductor" if compiled is True else str(compiled))
-        if chunk_elems is None:  # one fused kernel already keeps everything in registers
-            return body(logp, old_logp, advantages, valid, scale, *opts)  # type: ignore[no-any-return]
-    else:
-        body = _chunk_terms
+    if compiled and not is_compiling():  # one kernel on the whole batch, no chunks
+        body = compiled_chunk_terms("inductor" if compiled is True else str(compiled))
+        valid_u8 = valid.view(torch.uint8)  # see dapo_ops._compiled
+        return body(logp, old_logp, advantages, valid_u8, scale, *opts)  # type: ignore[no-any-return]
     rows = _row_chunks(batch, seq, logp.device, chunk_elems)
     if logp.device.type == "cpu" and not compiled and not is_compiling() and batch * seq > 0:
         return _cpu_terms(logp, old_logp, advantages, valid, scale, *opts, rows=rows)
     if rows >= batch:
-        return body(logp, old_logp, advantages, valid, scale, *opts)  # type: ignore[no-any-return]
+        return _chunk_terms(logp, old_logp, advantages, valid, scale, *opts)
     row_sums = logp.new_empty((batch,), dtype=scale.dtype)
     grad = logp.new_empty((batch, seq), dtype=scale.dtype) if with_grad else None
     per_row_scale = scale.ndim > 0
     for start in range(0, batch, rows):
         sl = slice(start, start + rows)
-        rs, g = body(
+        rs, g = _chunk_terms(
             logp[sl],
             old_logp[sl],
             advantages[sl],
@@ -213,7 +195,7 @@ def _all_terms(
             *opts,
         )
         row_sums[sl] = rs
-        if grad is not None:
+        if grad is not None and g is not None:
             grad[sl] = g
     return row_sums, grad
 
@@ -354,12 +336,6 @@ def _cpu_terms(
     return row_sums, grad
 
 
-def _total(row_sums: Tensor, scale: Tensor) -> Tensor:
-    if scale.ndim == 0:
-        return row_sums.sum() * scale
-    return (row_sums * rearrange(scale, "batch 1 -> batch")).sum()
-
-
 # --------------------------------------------------------------------------------------
 # Gradient with respect to the advantages (rare: advantages usually carry no grad)
 # --------------------------------------------------------------------------------------
@@ -463,7 +439,7 @@ class _ClipHigherLoss(torch.autograd.Function):
             valid if need_adv else None,
             scale if need_adv else None,
         )
-        return _total(row_sums, scale)
+        return scaled_sum(row_sums, scale)
 
     @staticmethod
     @once_differentiable  # the gradient is precomputed: no double backward (raises instead)
@@ -535,10 +511,11 @@ def clip_higher_loss_fused(
 
     Gradients: ``logp`` and ``old_logp`` (analytic, computed in the forward pass),
     ``advantages`` (analytic, recomputed in backward) and ``scale`` (row sums).
-    ``compiled=True`` runs the loss + gradient body through ``torch.compile`` (compiled on
-    first use, cached). ``chunk_elems`` overrides the CPU chunk size (elements per chunk;
-    default 256 Ki, at most a quarter of the batch; no chunking on other devices). On
-    CPU the eight chunk buffers are further capped at about twice the bytes of the inputs.
+    ``compiled=True`` (or a backend name) runs the loss + gradient body
+    (:func:`dapo_ops._compiled.clamp_terms`) through ``torch.compile``, compiled on first
+    use and cached, on the whole batch. ``chunk_elems`` overrides the eager CPU chunk
+    size (elements per chunk, default ``CPU_CHUNK_ELEMS`` = 128 Ki; whole rows, at least
+    one; no chunking on other devices or when compiled).
 
     Example:
         >>> logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
@@ -578,7 +555,7 @@ def clip_higher_loss_fused(
             compiled,
             chunk_elems,
         )
-        return _total(row_sums, scale)
+        return scaled_sum(row_sums, scale)
     out = _ClipHigherLoss.apply(  # type: ignore[no-untyped-call]
         logp,
         old_logp,
@@ -594,52 +571,6 @@ def clip_higher_loss_fused(
         chunk_elems,
     )
     return out  # type: ignore[no-any-return]
-
-
-def loss_scale(
-    valid: Bool[Tensor, "batch seq"],
-    *,
-    mode: AggregationMode = "token_mean",
-    normalizer: Normalizer = None,
-    max_len: int | None = None,
-    dtype: torch.dtype = torch.float32,
-) -> Float[Tensor, ""] | Float[Tensor, "batch 1"]:
-    r"""The weights ``w`` with ``token_level_aggregate(l, valid, ...) == sum_{i,t} w_i m l``.
-
-    ``token_mean``: ``1 / N`` (0-dim); ``seq_mean_token_mean``: ``(1 / |S|) / n_i``
-    (``[batch, 1]``); ``seq_mean_token_sum``: ``1 / |S|``; ``seq_mean_token_sum_norm``:
-    ``(1 / |S|) / L``; ``N``/``|S|`` replaced by ``normalizer`` when given, a zero count
-    replaced by 1 (the loss is then 0). Same checks, same errors and the same rounding
-    order as :func:`dapo_ops.token_level_aggregate`'s backward, so the fused gradient is
-    bitwise equal to the reference's in float32.
-
-    Example:
-        >>> valid = torch.tensor([[True, True, False], [True, False, False]])
-        >>> loss_scale(valid)
-        tensor(0.3333)
-        >>> loss_scale(valid, mode="seq_mean_token_mean")
-        tensor([[0.2500],
-                [0.5000]])
-    """
-    check_option("mode", mode, AGGREGATION_MODES)
-    check_max_len(max_len)
-    one = torch.ones((), dtype=dtype, device=valid.device)
-    given = check_normalizer(normalizer)
-    den = None if given is None else torch.as_tensor(given, dtype=dtype, device=valid.device)
-
-    if mode == "token_mean":
-        if den is None:
-            den = valid.sum().to(dtype)
-        return one / torch.where(den == 0, one, den)
-    seq_tokens = valid.sum(dim=-1, keepdim=True).to(dtype)
-    if den is None:
-        den = (seq_tokens > 0).sum().to(dtype)
-    inv = one / torch.where(den == 0, one, den)
-    if mode == "seq_mean_token_mean":
-        return inv / torch.where(seq_tokens == 0, one, seq_tokens)
-    if mode == "seq_mean_token_sum":
-        return inv
-    return inv / (max(valid.shape[-1], 1) if max_len is None else max_len)
 
 
 def fused_token_level_loss(
@@ -674,6 +605,24 @@ def fused_token_level_loss(
     adv, valid, dtype = policy_inputs(
         logp, old_logp, advantages, mask, log_ratio_clamp=log_ratio_clamp
     )
+    if compiled and chunk_elems is None and not is_compiling():
+        out = compiled_token_level_loss(
+            logp,
+            old_logp,
+            adv,
+            valid,
+            eps_low=eps_low,
+            eps_high=eps_high,
+            mode=mode,
+            normalizer=normalizer,
+            dual_clip=dual_clip,
+            max_len=max_len,
+            log_ratio_clamp=log_ratio_clamp,
+            backend="inductor" if compiled is True else str(compiled),
+        )
+        if out is not None:  # else: gradients for advantages/normalizer, eager below
+            return out
+        compiled = False
     scale = loss_scale(valid, mode=mode, normalizer=normalizer, max_len=max_len, dtype=dtype)
     return clip_higher_loss_fused(
         logp,

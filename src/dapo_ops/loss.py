@@ -36,6 +36,7 @@ def token_level_loss(
     kl_beta: float = ...,
     kl_estimator: KLEstimator = ...,
     is_weights: Tensor | None = ...,
+    compiled: bool = ...,
     return_diagnostics: Literal[False] = ...,
 ) -> Tensor: ...
 
@@ -58,6 +59,7 @@ def token_level_loss(
     kl_beta: float = ...,
     kl_estimator: KLEstimator = ...,
     is_weights: Tensor | None = ...,
+    compiled: bool = ...,
     return_diagnostics: Literal[True],
 ) -> tuple[Tensor, PolicyDiagnostics]: ...
 
@@ -79,6 +81,7 @@ def token_level_loss(
     kl_beta: float = 0.0,
     kl_estimator: KLEstimator = "k3",
     is_weights: Float[Tensor, "batch seq"] | None = None,
+    compiled: bool = False,
     return_diagnostics: bool = False,
 ) -> Float[Tensor, ""] | tuple[Float[Tensor, ""], PolicyDiagnostics]:
     r"""DAPO's policy loss: Clip-Higher surrogate, aggregated over tokens.
@@ -104,6 +107,17 @@ def token_level_loss(
     float64 input); the gradient reaches ``logp`` in its own dtype. Masked positions never
     touch the loss or the gradient, NaN included; an all-masked batch gives 0.
 
+    Speed: without KL and IS weights (DAPO, Dr. GRPO) the loss and its gradient come
+    from one fused pass with an analytic backward (the same value, the same gradient).
+    ``compiled=True`` runs that pass through ``torch.compile`` (inductor: one kernel for
+    the loss and the gradient): the first call in a process compiles it (seconds; one
+    more compile at the first new shape, then dynamic shapes), later calls reuse it. It
+    needs what inductor needs (a C++ compiler on CPU, Triton on GPU) and follows
+    ``clamp``'s gradient convention at the kinks: a ratio exactly on the dual-clip bound
+    gets the full gradient where the eager path, like ``torch.minimum``, gives half
+    (likewise a float-rounding tie next to a clip bound). It is opt-in: the library never
+    compiles behind the caller's back.
+
     With ``return_diagnostics=True`` returns ``(loss, PolicyDiagnostics)``: clip
     fractions low/high/dual, ratio mean/min/max, approximate KL old -> new and the valid
     token count, as detached 0-dim tensors (no host sync).
@@ -128,6 +142,13 @@ def token_level_loss(
         "dual_clip": dual_clip,
         "log_ratio_clamp": log_ratio_clamp,
     }
+    if not isinstance(compiled, bool):
+        raise InputError(f"compiled must be True or False, got {compiled!r}")
+    if compiled and (kl_beta > 0 or is_weights is not None):
+        raise InputError(
+            "compiled=True covers the fused path only (kl_beta=0, is_weights=None); "
+            f"got kl_beta={kl_beta}, is_weights={'set' if is_weights is not None else None}"
+        )
     if kl_beta == 0 and is_weights is None:
         # DAPO's path: one fused pass with an analytic backward (dapo_ops._fused), the
         # same value and gradient as the composition below, ~4-9x faster, ~1/7 the memory
@@ -139,6 +160,7 @@ def token_level_loss(
             mode=mode,
             normalizer=normalizer,
             max_len=max_len,
+            compiled=compiled,
             **clip_opts,  # type: ignore[arg-type]
         )
     else:
