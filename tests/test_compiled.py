@@ -185,12 +185,15 @@ def test_bad_compiled_options(kwargs: dict[str, Any], match: str) -> None:
         token_level_loss(b.logp, b.old_logp, b.advantages, b.mask, **extra)
 
 
-def test_recompile_limit_falls_back_to_eager_with_a_warning(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_recompile_limit_falls_back_to_eager_with_a_warning() -> None:
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     b = make_batch(3, 8, 1)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        _recompile_twice(b)
+    torch._dynamo.reset()
+
+
+def _recompile_twice(b: Any) -> None:
     for mode in ("token_mean", "seq_mean_token_mean"):  # a second graph: over the limit
         lp_c = b.logp.clone().requires_grad_(True)
         lp_r = b.logp.clone().requires_grad_(True)
@@ -207,7 +210,6 @@ def test_recompile_limit_falls_back_to_eager_with_a_warning(
         assert_loss_close(out, ref)
         assert lp_c.grad is not None and lp_r.grad is not None
         assert_grad_close(lp_c.grad, lp_r.grad)
-    torch._dynamo.reset()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
