@@ -8,6 +8,8 @@ backend (same graph, no C++ build); one test goes through inductor, as users do.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import warnings
 from typing import Any
 
@@ -226,3 +228,9 @@ def test_cuda_compiled_matches_eager() -> None:
     assert_loss_close(out, ref)
     assert lp_c.grad is not None and lp_r.grad is not None
     assert_grad_close(lp_c.grad, lp_r.grad)
+
+
+def test_import_leaves_dynamo_unloaded() -> None:
+    """``import dapo_ops`` stays cheap: torch._dynamo (~1 s) only loads for compiled=True."""
+    code = "import sys, dapo_ops; sys.exit(int('torch._dynamo' in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

@@ -36,7 +36,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch._dynamo.exc import FailOnRecompileLimitHit, Unsupported
 from torch.autograd.function import once_differentiable
 
 from dapo_ops.aggregation import check_normalizer, loss_scale, scaled_sum
@@ -214,6 +213,9 @@ def compiled_token_level_loss(
         )
     if advantages.requires_grad and torch.is_grad_enabled():
         return None
+    # imported here: torch._dynamo costs ~1 s to import, only compiled=True needs it
+    from torch._dynamo.exc import FailOnRecompileLimitHit, Unsupported
+
     graph = _compiled("loss", _loss_graph, backend)
     mask_u8 = valid.view(torch.uint8)
     opts = (eps_low, eps_high, dual_clip, log_ratio_clamp, mode, max_len)
