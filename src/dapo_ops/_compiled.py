@@ -140,6 +140,30 @@ def _loss_graph(
     return scaled_sum(row_sums, scale), grad
 
 
+def logp_grads(
+    grad: Tensor,
+    grad_out: Tensor,
+    needs: tuple[bool, ...],
+    dtypes: tuple[torch.dtype, torch.dtype],
+    *,
+    owned: bool,
+) -> tuple[Tensor | None, Tensor | None]:
+    """``(d/d logp, d/d old_logp)`` from the precomputed ``d loss / d logp`` buffer.
+
+    ``owned``: the buffer was handed over by the forward pass and may be scaled in place
+    (on CPU the multiplication by a ``grad_out`` of 1, a plain ``backward()``, is
+    skipped); otherwise (a saved tensor, e.g. traced by ``torch.compile``) a new tensor.
+    ``needs``/``dtypes``: ``ctx.needs_input_grad`` and the dtypes of logp and old_logp.
+    """
+    if not owned:
+        grad = grad * grad_out
+    elif grad_out.device.type != "cpu" or float(grad_out) != 1.0:
+        grad.mul_(grad_out)
+    g_old = grad.neg().to(dtypes[1]) if needs[1] else None
+    g_logp = grad.to(dtypes[0]) if needs[0] else None
+    return g_logp, g_old
+
+
 class _CompiledLoss(torch.autograd.Function):
     """The compiled loss with its precomputed gradient handed over to backward."""
 
@@ -170,13 +194,7 @@ class _CompiledLoss(torch.autograd.Function):
             graph, inputs = ctx.recompute
             normalizer, opts = ctx.rest
             grad = graph(*inputs, normalizer, *opts, True)[1]
-        # the buffer is ours: scale it in place (on CPU, skip a multiplication by 1)
-        if grad_out.device.type != "cpu" or float(grad_out) != 1.0:
-            grad.mul_(grad_out)
-        logp_dtype, old_dtype = ctx.dtypes
-        needs = ctx.needs_input_grad
-        g_old = grad.neg().to(old_dtype) if needs[1] else None
-        g_logp = grad.to(logp_dtype) if needs[0] else None
+        g_logp, g_old = logp_grads(grad, grad_out, ctx.needs_input_grad, ctx.dtypes, owned=True)
         return g_logp, g_old, None, None, None, None, None
 
 

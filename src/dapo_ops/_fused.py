@@ -60,7 +60,7 @@ from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from dapo_ops._compiled import compiled_chunk_terms, compiled_token_level_loss
+from dapo_ops._compiled import compiled_chunk_terms, compiled_token_level_loss, logp_grads
 from dapo_ops._validate import (
     InputError,
     check_clip_range,
@@ -454,21 +454,14 @@ class _ClipHigherLoss(torch.autograd.Function):
                 if grad is None:  # second backward through a retained graph
                     inputs, opts = ctx.recompute
                     grad = _all_terms(*inputs, *opts)[1]
-                # the buffer is ours: scale it in place (on CPU, skip a multiplication by 1)
-                if grad_out.device.type != "cpu" or float(grad_out) != 1.0:
-                    grad.mul_(grad_out)
-                g = grad
             elif grad is None:
                 raise RuntimeError(
                     "dapo_ops fused loss: the forward ran without a gradient (grad mode off "
                     "or want_grad=False) but backward was called"
                 )
-            else:
-                g = grad * grad_out
-            if needs[1]:
-                g_old = g.neg().to(old_dtype)
-            if needs[0]:
-                g_logp = g.to(logp_dtype)
+            g_logp, g_old = logp_grads(
+                grad, grad_out, needs, (logp_dtype, old_dtype), owned=ctx.handover
+            )
         if needs[2]:
             g_adv = (
                 _advantage_grad(logp, old_logp, advantages, valid, scale, *ctx.opts) * grad_out
