@@ -44,3 +44,15 @@ def no_runtime_typecheck() -> Iterator[None]:
         yield
     finally:
         jaxtyping.config.update("jaxtyping_disable", False)
+
+
+@pytest.fixture(params=["checker on", "checker off"])
+def checker(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run an error test with jaxtyping's runtime checker on, then off: the same
+    ``InputError`` (argument named) must come either way."""
+    if request.param == "checker off":
+        jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        yield str(request.param)
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", False)

@@ -8,7 +8,7 @@ checker off, where the library's own checks must catch the same input and raise
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import jaxtyping
 import pytest
@@ -132,16 +132,6 @@ CASES: list[tuple[str, Callable[[], object], str]] = [
         "is_weights",
     ),
 ]
-
-
-@pytest.fixture(params=["checker on", "checker off"])
-def checker(request: pytest.FixtureRequest) -> Iterator[str]:
-    if request.param == "checker off":
-        jaxtyping.config.update("jaxtyping_disable", True)
-    try:
-        yield str(request.param)
-    finally:
-        jaxtyping.config.update("jaxtyping_disable", False)
 
 
 @pytest.mark.parametrize(("name", "call", "arg"), CASES, ids=[c[0] for c in CASES])

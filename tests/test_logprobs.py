@@ -13,7 +13,6 @@ import importlib.util
 import math
 from collections.abc import Callable, Iterator
 
-import jaxtyping
 import pytest
 import torch
 from hypothesis import given, settings
@@ -557,16 +556,6 @@ def test_fused_dapo_loss_matches_liger_grpo(dtype: torch.dtype) -> None:
 
 
 # --------------------------------------------------------------------------- errors
-
-
-@pytest.fixture(params=["checker on", "checker off"])
-def checker(request: pytest.FixtureRequest) -> Iterator[str]:
-    if request.param == "checker off":
-        jaxtyping.config.update("jaxtyping_disable", True)
-    try:
-        yield str(request.param)
-    finally:
-        jaxtyping.config.update("jaxtyping_disable", False)
 
 
 _X, _Y = torch.randn(4, 6), torch.tensor([0, 1, 2, 5])

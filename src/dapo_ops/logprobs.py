@@ -30,7 +30,7 @@ from jaxtyping import Float, Integer
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from dapo_ops._validate import InputError, is_compiling, shape_str
+from dapo_ops._validate import InputError, check_float, is_compiling, shape_str
 
 #: Default block sizes, in logits *elements* per block (``chunk_size=None`` means
 #: ``max(1, elements // vocab)`` rows). On CPU, 2**22 elements (16 MiB of float32; 27 rows
@@ -86,13 +86,8 @@ def _check_options(temperature: float, chunk_size: int | None) -> None:
 
 
 def _check_float_tensor(name: str, t: object) -> Tensor:
-    if not isinstance(t, Tensor):
-        raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if not t.dtype.is_floating_point:
-        raise InputError(
-            f"{name} must be a floating-point tensor (float16, bfloat16, float32 or float64), "
-            f"got {t.dtype}"
-        )
+    check_float(name, t)  # type: ignore[arg-type]
+    assert isinstance(t, Tensor)
     return t
 
 
