@@ -1105,8 +1105,9 @@ def render_markdown(
         "it runs with a KL term or IS weights. `compiled=True` puts the loss scale, the loss "
         "and its gradient in one `torch.compile` graph (compiled once per process; its "
         "compile time is in the table below, not in the timings). The eager CPU path works "
-        "in row chunks of 128 Ki elements through 8 buffers allocated per call (4 MiB in "
-        "float32); they are part of the `extra peak` column.",
+        "in blocks of rows of about 256 Ki elements through 4 buffers allocated per call "
+        "(4 MiB in float32, 8 with per-token advantages); they are part of the `extra "
+        "peak` column.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -1,8 +1,8 @@
 """``token_level_loss(..., compiled=True)``: the one-graph compiled path (dapo_ops._compiled).
 
 Its loss equals the reference composition up to summation order and its gradient up to
-float rounding, except at the kinks, where it follows ``clamp``'s convention (tested
-below on constructed ties). Most properties run the graph with the cheap ``aot_eager``
+float rounding, kinks included (all paths follow ``clamp``'s convention: tested below on
+ratios exactly on the bounds). Most properties run the graph with the cheap ``aot_eager``
 backend (same graph, no C++ build); one test goes through inductor, as users do.
 """
 
@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from test_fused import assert_loss_close, cases, reference
 
 from dapo_ops import InputError, token_level_loss
-from dapo_ops._compiled import clamp_terms
 from dapo_ops._fused import fused_token_level_loss
+from dapo_ops._terms import clamp_terms
 
 pytestmark = pytest.mark.usefixtures("no_runtime_typecheck")
 
@@ -122,7 +122,7 @@ def test_no_grad_retained_graph_and_old_logp_gradient() -> None:
 
 
 def test_kinks_follow_clamps_convention() -> None:
-    """On the dual-clip bound the compiled gradient is the full one (clamp), not half."""
+    """On a clip or dual-clip bound every path passes the full gradient; past it, none."""
     logp = torch.tensor([[0.2], [1.1]], dtype=torch.float64)
     old = torch.zeros_like(logp)
     ratio = logp.exp()
@@ -136,16 +136,16 @@ def test_kinks_follow_clamps_convention() -> None:
     _, grad = clamp_terms(logp, old, adv, valid, scale, *clip, True)
     assert grad is not None
     assert torch.equal(grad, -adv * ratio)  # full gradient on both bounds
-    # the eager path follows torch.maximum / torch.minimum: on the clip bound the two
-    # halves of the tie add up to the full gradient; on the dual-clip bound half is left
+    kw: dict[str, Any] = {"eps_high": eps_high, "dual_clip": dual, "mode": "seq_mean_token_sum"}
+    for compiled in (False, "aot_eager"):
+        lp = logp.clone().requires_grad_(True)
+        fused_token_level_loss(lp, old, adv, valid, compiled=compiled, **kw).backward()
+        assert lp.grad is not None
+        assert torch.equal(lp.grad, -adv * ratio / 2)  # / 2: rows (the mode)
     lp = logp.clone().requires_grad_(True)
-    loss = fused_token_level_loss(
-        lp, old, adv, valid, eps_high=eps_high, dual_clip=dual, mode="seq_mean_token_sum"
-    )
-    loss.backward()
+    reference(lp, old, adv, valid, **kw).backward()
     assert lp.grad is not None
-    share = torch.tensor([[1.0], [0.5]], dtype=torch.float64)
-    assert torch.equal(lp.grad, -adv * ratio * share / 2)  # / 2: rows (the mode)
+    assert torch.equal(lp.grad, -adv * ratio / 2)
     # just outside each bound: no gradient
     _, grad = clamp_terms(logp + 1e-9, old, adv, valid, scale, *clip, True)
     assert grad is not None

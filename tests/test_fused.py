@@ -3,6 +3,9 @@
 Reference: ``token_level_aggregate(clip_higher_surrogate(...), mask, ...)`` under autograd.
 The fused logp gradient is computed with the same roundings in the same order, so for a
 plain ``loss.backward()`` it is compared *bitwise*; loss values differ by summation order.
+Both write the per-token loss in the clamp form (``clipped_objective``); the tests below
+also check that form against the spec where it matters: exact zeros where the clip is
+active, even next to a bound.
 """
 
 from __future__ import annotations
@@ -179,11 +182,18 @@ def _near_bound_batch(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]
     return logp, old, adv
 
 
+@pytest.mark.parametrize("adv_layout", ["batch 1", "batch seq"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_ties_split_the_gradient_like_maximum(dtype: torch.dtype) -> None:
+def test_near_bound_ratios_follow_the_spec(dtype: torch.dtype, adv_layout: str) -> None:
+    """Within ulps of a bound the gradient is -A r inside [lo_A, hi_A] and exactly 0 out.
+
+    The batch holds float ties (ratio outside the band, ``-A r == -A clip(r)`` after
+    rounding), where ``torch.maximum``'s autograd would pass half the gradient.
+    """
     logp, old, adv = _near_bound_batch(dtype, 0)
+    if adv_layout == "batch 1":
+        adv = adv[:, :1]
     mask = torch.ones_like(logp, dtype=torch.bool)
-    # the batch must hold real ties: ratio outside the band, equal products
     r = torch.exp(logp - old)
     cl = r.clamp(0.8, 1.28)
     ties = (r != cl) & (-adv * r == -adv * cl) & (adv != 0)
@@ -193,6 +203,9 @@ def test_ties_split_the_gradient_like_maximum(dtype: torch.dtype) -> None:
         fused, ref, g_fused, g_ref = both(logp, old, adv, mask, dual_clip=dual, chunk_elems=1000)
         assert_loss_close(fused, ref)
         assert torch.equal(g_fused, g_ref)
+        cap = math.inf if dual is None else dual
+        passes = torch.where(adv < 0, (r >= 0.8) & (r <= cap), r <= 1.28) & (adv != 0)
+        assert torch.equal(g_fused != 0, passes)
 
 
 @pytest.mark.parametrize("adv_layout", ["batch", "batch seq"])
@@ -338,24 +351,30 @@ def test_traces_fullgraph_and_compiled_variant() -> None:
 
 
 def test_cpu_fast_path_needs_no_fallback_on_clean_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Finite inputs stay on the float-only CPU path; garbage takes the `where` path."""
-    import dapo_ops._fused as fused_mod
+    """Finite inputs (an active log-ratio clamp or inf padding included) stay on the
+    float-only CPU path; a NaN log-ratio sends its block to the `where` path."""
+    import dapo_ops._terms as terms_mod
 
     calls: list[int] = []
-    exact = fused_mod._chunk_terms
+    exact = terms_mod.clamp_terms
 
     def counting(*args: Any) -> Any:
         calls.append(1)
         return exact(*args)
 
-    monkeypatch.setattr(fused_mod, "_chunk_terms", counting)
+    monkeypatch.setattr(terms_mod, "clamp_terms", counting)
     b = make_batch(6, 10, 5)
-    for dual in (None, 3.0):
-        fused, ref, g_fused, g_ref = both(
-            b.logp, b.old_logp, b.advantages, b.mask, dual_clip=dual, chunk_elems=20
-        )
-        assert_loss_close(fused, ref)
-        assert torch.equal(g_fused, g_ref)
+    far = b.logp.clone()
+    far[0, :3] = torch.tensor([-40.0, 40.0, 25.0])  # the log-ratio clamp is active
+    inf_pad = torch.where(b.mask, b.old_logp, torch.tensor(float("-inf")))  # lr = +inf there
+    for logp, old in ((b.logp, b.old_logp), (far, b.old_logp), (b.logp, inf_pad)):
+        for dual in (None, 3.0):
+            for adv in (b.advantages, b.advantages[:, None] * torch.rand(6, 10)):
+                fused, ref, g_fused, g_ref = both(
+                    logp, old, adv, b.mask, dual_clip=dual, chunk_elems=20
+                )
+                assert_loss_close(fused, ref)
+                assert torch.equal(g_fused, g_ref)
     assert not calls
     logp = torch.where(b.mask, b.logp, torch.tensor(float("nan")))
     _, _, g_fused, g_ref = both(logp, b.old_logp, b.advantages, b.mask, chunk_elems=20)

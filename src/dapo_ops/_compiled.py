@@ -8,10 +8,9 @@ which inductor turns into one kernel: on CPU a count loop over the mask and one 
 reads ``logp``, ``old_logp`` and the mask once and writes the gradient and the row sums.
 An autograd Function hands that gradient to backward, as :mod:`dapo_ops._fused` does.
 
-The per-token body is :func:`clamp_terms`: the loss written as one clamp with
-sign-dependent bounds, about half the vector instructions of the reference's
-maximum/minimum chain, the same per-token loss values, and ``clamp``'s gradient
-convention at the kinks (see its docstring).
+The per-token body is :func:`dapo_ops._terms.clamp_terms`, the eager path's exact
+body: the loss written as one clamp with sign-dependent bounds, the same values and
+gradient as the reference composition.
 
 Two inductor details shape the code: a bool tensor *input* is loaded element by element
 by inductor's CPU code (measured 3x slower for the whole kernel), so the mask enters as a
@@ -29,7 +28,6 @@ requires grad) take the eager fused path instead.
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -38,63 +36,9 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from dapo_ops._terms import clamp_terms
 from dapo_ops.aggregation import check_normalizer, loss_scale, scaled_sum
 from dapo_ops.surrogate import compute_dtype
-
-
-def clamp_terms(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    valid: Tensor,
-    scale: Tensor,
-    eps_low: float,
-    eps_high: float,
-    dual_clip: float | None,
-    log_ratio_clamp: float,
-    with_grad: bool,
-) -> tuple[Tensor, Tensor | None]:
-    r"""Row sums of the masked loss and ``d(sum_i w_i rowsum_i)/d logp``, one clamp a token.
-
-    The compiled counterpart of :func:`dapo_ops._fused._chunk_terms`, same arguments.
-    For :math:`A < 0` the Clip-Higher loss is :math:`-A \max(r, 1-\varepsilon_{low})`,
-    capped by the dual clip at :math:`r \le c`; for :math:`A \ge 0` it is
-    :math:`-A \min(r, 1+\varepsilon_{high})`. So, with sign-dependent bounds,
-
-    .. math::
-
-        \ell = -A\,\mathrm{clamp}(r, lo_A, hi_A), \qquad
-        \frac{\partial \ell}{\partial \log\pi} = -A\,r\,[lo_A \le r \le hi_A],
-
-    each token's loss bitwise equal to the reference's (rounding is monotone, so
-    ``max(-A r, -A clip(r)) == -A max(r, clip(r))``), in about half the vector
-    instructions of the maximum/minimum chain. The gradient follows ``clamp``'s
-    convention at the kinks (full gradient on a bound, bounds included), where the
-    reference's ``torch.maximum``/``minimum`` autograd splits an exact tie in half: the
-    two differ only for a ratio exactly on the dual-clip bound or on a float-rounding tie
-    of the two products (a ratio within an ulp of a clip bound), and only at that token.
-    """
-    dtype = scale.dtype
-    if valid.dtype != torch.bool:
-        valid = valid.to(dtype) != 0  # a uint8 view of the mask: see the module docstring
-    lr = logp.to(dtype) - old_logp.to(dtype)
-    clamped = lr.clamp(-log_ratio_clamp, log_ratio_clamp)
-    ratio = clamped.exp()
-    neg_adv = advantages.to(dtype).neg()
-    negative = neg_adv > 0  # A < 0
-    # graph constants, rounded to the compute dtype like the reference's clamp bounds
-    cap = math.inf if dual_clip is None else dual_clip
-    lo = torch.where(negative, torch.full_like(neg_adv, 1.0 - eps_low), -math.inf)
-    hi = torch.where(
-        negative, torch.full_like(neg_adv, cap), torch.full_like(neg_adv, 1.0 + eps_high)
-    )
-    bounded = torch.minimum(torch.maximum(ratio, lo), hi)
-    row_sums = torch.where(valid, bounded * neg_adv, 0.0).sum(dim=-1)
-    if not with_grad:
-        return row_sums, None
-    keep = (clamped == lr) & (bounded == ratio) & valid
-    return row_sums, torch.where(keep, (scale * neg_adv) * ratio, 0.0)
-
 
 #: torch.compile'd functions, built on first use, keyed by (function, backend): compiled
 #: code only, no data.

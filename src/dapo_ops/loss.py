@@ -112,11 +112,10 @@ def token_level_loss(
     ``compiled=True`` runs that pass through ``torch.compile`` (inductor: one kernel for
     the loss and the gradient): the first call in a process compiles it (seconds; one
     more compile at the first new shape, then dynamic shapes), later calls reuse it. It
-    needs what inductor needs (a C++ compiler on CPU, Triton on GPU) and follows
-    ``clamp``'s gradient convention at the kinks: a ratio exactly on the dual-clip bound
-    gets the full gradient where the eager path, like ``torch.minimum``, gives half
-    (likewise a float-rounding tie next to a clip bound). It is opt-in: the library never
-    compiles behind the caller's back.
+    needs what inductor needs (a C++ compiler on CPU, Triton on GPU) and gives the same
+    gradient as the eager path, kinks included (both use the clamp form of
+    :func:`clip_higher_surrogate`). It is opt-in: the library never compiles behind the
+    caller's back.
 
     With ``return_diagnostics=True`` returns ``(loss, PolicyDiagnostics)``: clip
     fractions low/high/dual, ratio mean/min/max, approximate KL old -> new and the valid

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -125,6 +126,9 @@ def clip_higher_surrogate(
 
     Where the clip is active the token's gradient is exactly 0: ``A > 0`` and
     ``r > 1 + eps_high``, or ``A < 0`` and ``r < 1 - eps_low`` (and ``r > c`` with dual clip).
+    It is computed as ``-A clamp(r, lo_A, hi_A)`` (:func:`clipped_objective`): the same
+    values as the formula above, bit for bit, and exactly that gradient, ratios on a bound
+    included (full gradient) and ratios a float ulp past one excluded (zero).
 
     Shapes:
         logp, old_logp: ``[batch, seq]`` log-probs of the sampled tokens under the current
@@ -154,13 +158,33 @@ def clip_higher_surrogate(
     return torch.where(valid, loss, torch.zeros_like(loss))
 
 
+def clip_bounds(
+    adv: Tensor, *, eps_low: float, eps_high: float, dual_clip: float | None
+) -> tuple[Tensor, Tensor]:
+    """Per-element bounds ``(lo_A, hi_A)`` of the clamp form of the clipped objective.
+
+    ``[1 - eps_low, dual_clip or inf]`` where ``A < 0``, ``[-inf, 1 + eps_high]`` elsewhere
+    (``A >= 0``, NaN included), in ``adv``'s dtype and shape.
+    """
+    negative = adv < 0
+    cap = math.inf if dual_clip is None else dual_clip
+    lo = torch.where(negative, torch.full_like(adv, 1.0 - eps_low), -math.inf)
+    hi = torch.where(negative, torch.full_like(adv, cap), torch.full_like(adv, 1.0 + eps_high))
+    return lo, hi
+
+
 def clipped_objective(
     ratio: Tensor, adv: Tensor, *, eps_low: float, eps_high: float, dual_clip: float | None
 ) -> Tensor:
-    """``-min(r A, clip(r) A)``, with the dual bound for ``A < 0``; shared by PPO and GSPO."""
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
-    loss = torch.maximum(unclipped, clipped)
-    if dual_clip is not None:
-        loss = torch.where(adv < 0, torch.minimum(loss, -adv * dual_clip), loss)
-    return loss
+    r"""``-min(r A, clip(r) A)`` (dual bound for ``A < 0``) as ``-A clamp(r, lo_A, hi_A)``.
+
+    For :math:`A < 0`, :math:`-\min(rA, \mathrm{clip}(r)A) = -A\max(r, 1-\varepsilon_{low})`,
+    capped by the dual clip at :math:`r \le c`; for :math:`A \ge 0` it is
+    :math:`-A\min(r, 1+\varepsilon_{high})`. Float rounding is monotone, so every value is
+    bitwise the one of the ``maximum``/``minimum`` chain; the gradient is ``clamp``'s:
+    ``-A`` times 1 where :math:`lo_A \le r \le hi_A` (bounds included) and exactly 0 where
+    the clip is active, even when a float product rounds ``r A`` onto ``clip(r) A`` (where
+    ``torch.maximum``'s autograd would pass half). Shared by PPO and GSPO.
+    """
+    lo, hi = clip_bounds(adv, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip)
+    return -adv * torch.clamp(ratio, lo, hi)
