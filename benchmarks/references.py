@@ -3,16 +3,19 @@
 Each function mirrors, op for op, the code path a peer trainer runs for the same job, so
 the benchmark measures what a user of that trainer pays. They are our own code, written
 from the peers' published algorithms and code structure; nothing is imported from (or
-copied out of) verl or TRL, which are not installed here.
+copied out of) verl or TRL. When a peer happens to be installed, ``run.py`` times its
+real function next to the mirror.
 
 Mirrored versions:
 
-- verl 0.4.x - 0.5.x, ``verl/trainer/ppo/core_algos.py``: ``compute_policy_loss``
-  (``compute_policy_loss_vanilla``, always with the dual clip ``clip_ratio_c``) and
-  ``agg_loss``; ``verl/utils/torch_functional.py``: ``masked_mean``
-  (``(x * mask).sum() / (mask.sum() + 1e-8)``, the 0.4 form); the actor's
-  ``.detach().item()`` of pg_loss, pg_clipfrac, ppo_kl and pg_clipfrac_lower
-  (``verl/workers/actor/dp_actor.py``); ``compute_grpo_outcome_advantage`` (the
+- verl 0.9.1, ``verl/trainer/ppo/core_algos.py``: ``compute_policy_loss_vanilla``
+  (always with the dual clip ``clip_ratio_c``; its three metrics' ``.detach().item()``)
+  and ``agg_loss`` (token-mean divides by the global token count the trainer passes in
+  ``global_batch_info``); ``verl/utils/torch_functional.py``: ``masked_sum``
+  (``where(mask, x, 0) * mask``, summed) and ``masked_mean``; the loss's ``.item()`` for
+  the actor's metrics (``verl/workers/utils/losses.py: ppo_loss``). The verl 0.4 - 0.5
+  form differed only in ``masked_sum`` (no ``where``).
+  Unchanged since 0.4: ``compute_grpo_outcome_advantage`` (the
   defaultdict-of-lists loop over the ``uid`` array); the DAPO trainer's
   ``filter_groups`` loop (``recipe/dapo/dapo_ray_trainer.py``) and the DAPO reward
   manager's overlong-buffer penalty (``verl/workers/reward_manager/dapo.py``).
@@ -41,22 +44,46 @@ from torch import Tensor
 # --------------------------------------------------------------------------------------
 
 
+def verl_masked_sum(values: Tensor, mask: Tensor, axis: int | None = None) -> Tensor:
+    """0.9's ``masked_sum``: ``where`` first (NaN outside the mask), then the product."""
+    valid_values = torch.where(mask.bool(), values, 0.0)
+    return (valid_values * mask).sum(axis=axis)
+
+
 def verl_masked_mean(values: Tensor, mask: Tensor, axis: int | None = None) -> Tensor:
-    if axis is None:
-        return (values * mask).sum() / (mask.sum() + 1e-8)
-    return (values * mask).sum(dim=axis) / (mask.sum(dim=axis) + 1e-8)
+    s = verl_masked_sum(values, mask, axis)
+    return s / (mask.sum(axis=axis) + 1e-8)
 
 
-def verl_agg_loss(loss_mat: Tensor, loss_mask: Tensor, loss_agg_mode: str) -> Tensor:
+def verl_agg_loss(
+    loss_mat: Tensor,
+    loss_mask: Tensor,
+    loss_agg_mode: str,
+    dp_size: int = 1,
+    batch_num_tokens: Tensor | int | None = None,
+    global_batch_size: Tensor | int | None = None,
+) -> Tensor:
+    """0.9's ``agg_loss`` (the trainer passes the global counts; None: this batch's)."""
     if loss_agg_mode == "token-mean":
-        return verl_masked_mean(loss_mat, loss_mask)
-    seq_losses = torch.sum(loss_mat * loss_mask, dim=-1)
-    if loss_agg_mode == "seq-mean-token-sum":
-        return torch.mean(seq_losses)
+        if batch_num_tokens is None:
+            batch_num_tokens = loss_mask.sum()
+        return verl_masked_sum(loss_mat, loss_mask) / batch_num_tokens * dp_size
+    if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        seq_losses = torch.sum(loss_mat * loss_mask, dim=-1)
+        seq_mask = (torch.sum(loss_mask, dim=-1) > 0).float()
+        if global_batch_size is None:
+            global_batch_size = seq_mask.sum()
+        loss = verl_masked_sum(seq_losses, seq_mask) / global_batch_size * dp_size
+        if loss_agg_mode == "seq-mean-token-sum-norm":
+            loss = loss / loss_mask.shape[-1]
+        return loss
     if loss_agg_mode == "seq-mean-token-mean":
-        return torch.mean(seq_losses / torch.sum(loss_mask, dim=-1))
-    if loss_agg_mode == "seq-mean-token-sum-norm":
-        return torch.sum(seq_losses) / loss_mask.shape[-1]
+        seq_mask = torch.sum(loss_mask, dim=-1)
+        seq_losses = torch.sum(loss_mat * loss_mask, dim=-1) / (seq_mask + 1e-8)
+        seq_mask = (seq_mask > 0).float()
+        if global_batch_size is None:
+            global_batch_size = seq_mask.sum()
+        return verl_masked_sum(seq_losses, seq_mask) / global_batch_size * dp_size
     raise ValueError(loss_agg_mode)
 
 
@@ -69,8 +96,9 @@ def verl_compute_policy_loss(
     cliprange_high: float = 0.28,
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
+    batch_num_tokens: Tensor | int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """verl's vanilla PPO policy loss (dual clip always on) with its three metrics."""
+    """verl's ``compute_policy_loss_vanilla`` (dual clip always on) with its three metrics."""
     negative_approx_kl = log_prob - old_log_prob
     negative_approx_kl = torch.clamp(negative_approx_kl, min=-20.0, max=20.0)
     ratio = torch.exp(negative_approx_kl)
@@ -88,7 +116,9 @@ def verl_compute_policy_loss(
     )
 
     pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
-    pg_loss = verl_agg_loss(pg_losses, response_mask, loss_agg_mode)
+    pg_loss = verl_agg_loss(
+        pg_losses, response_mask, loss_agg_mode, batch_num_tokens=batch_num_tokens
+    )
     return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
 
 
@@ -117,21 +147,23 @@ def verl_actor_step(
     response_mask: Tensor,
     *,
     backward: bool = True,
-    gradient_accumulation: int = 1,
+    batch_num_tokens: Tensor | int | None = None,
 ) -> dict[str, float]:
-    """One micro-batch of verl's actor update: loss, backward, the four ``.item()`` metrics."""
+    """One micro-batch of verl's actor update (``workers/utils/losses.py: ppo_loss``):
+    the policy loss with the trainer's global token count, backward, the ``.item()`` of
+    the three policy metrics (inside ``compute_policy_loss_vanilla``) and of the loss."""
     pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = verl_compute_policy_loss(
-        old_log_prob, log_prob, advantages, response_mask
+        old_log_prob, log_prob, advantages, response_mask, batch_num_tokens=batch_num_tokens
     )
-    loss = pg_loss / gradient_accumulation
-    if backward:
-        loss.backward()
-    return {
-        "actor/pg_loss": pg_loss.detach().item(),
+    metrics = {
         "actor/pg_clipfrac": pg_clipfrac.detach().item(),
         "actor/ppo_kl": ppo_kl.detach().item(),
         "actor/pg_clipfrac_lower": pg_clipfrac_lower.detach().item(),
     }
+    if backward:
+        pg_loss.backward()
+    metrics["actor/pg_loss"] = pg_loss.detach().item()
+    return metrics
 
 
 def verl_metrics_only(

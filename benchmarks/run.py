@@ -39,7 +39,6 @@ import statistics
 import subprocess
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -205,9 +204,12 @@ def loss_impls(*, backward: bool, quick: bool) -> list[Impl]:
 
     def verl_step(inp: LossInputs) -> Fn:
         lp = _leaf(inp.logp)
+        n_tokens = inp.mask.sum()  # the trainer's global token count, computed once a step
 
         def run() -> object:
-            out = ref.verl_actor_step(lp, inp.old, inp.adv, inp.mask, backward=backward)
+            out = ref.verl_actor_step(
+                lp, inp.old, inp.adv, inp.mask, backward=backward, batch_num_tokens=n_tokens
+            )
             lp.grad = None
             return out
 
@@ -256,18 +258,31 @@ def loss_impls(*, backward: bool, quick: bool) -> list[Impl]:
     return impls
 
 
-def _verl_policy_loss(core_algos: Any, inp: LossInputs, lp: torch.Tensor) -> Any:
-    return core_algos.compute_policy_loss(
-        old_log_prob=inp.old,
-        log_prob=lp,
-        advantages=inp.adv,
-        response_mask=inp.mask,
-        cliprange=0.2,
-        cliprange_low=0.2,
-        cliprange_high=0.28,
+def _verl_policy_loss(core_algos: Any, inp: LossInputs, lp: torch.Tensor | None) -> Any:
+    """verl's ``compute_policy_loss_vanilla`` with a real ``ActorConfig`` (DAPO clip, the
+    dual clip, the trainer's global token count in ``global_batch_info``)."""
+    from verl.workers.config import ActorConfig  # type: ignore[import-not-found]
+
+    config = ActorConfig(
+        strategy="fsdp",
+        rollout_n=1,
+        ppo_mini_batch_size=inp.logp.shape[0],
+        ppo_micro_batch_size_per_gpu=inp.logp.shape[0],
+        clip_ratio=0.2,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
         clip_ratio_c=DUAL,
-        loss_agg_mode="token-mean",
     )
+    config.global_batch_info.update(
+        dp_size=1, batch_num_tokens=inp.mask.sum(), global_batch_size=inp.logp.shape[0]
+    )
+
+    def loss(lp: torch.Tensor) -> Any:
+        return core_algos.compute_policy_loss_vanilla(
+            inp.old, lp, inp.adv, inp.mask, loss_agg_mode="token-mean", config=config
+        )
+
+    return loss if lp is None else loss(lp)
 
 
 def installed_versions() -> dict[str, str]:
@@ -284,28 +299,27 @@ def installed_versions() -> dict[str, str]:
 
 
 def installed_verl_loss(backward: bool) -> list[Impl]:
-    """The real verl policy loss, when verl happens to be installed (0.4-style signature)."""
+    """The real verl policy loss, when verl happens to be installed (0.9 signature)."""
     if "verl" not in installed_versions():
         return []
 
     def build(inp: LossInputs) -> Fn:
-        from verl.trainer.ppo import core_algos  # type: ignore[import-not-found]
+        from verl.trainer.ppo import core_algos
 
         lp = _leaf(inp.logp)
+        loss_of = _verl_policy_loss(core_algos, inp, None)
 
         def run() -> object:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)  # deprecated alias in 0.9
-                out = _verl_policy_loss(core_algos, inp, lp)
+            pg_loss, metrics = loss_of(lp)  # the metrics' .item() run inside
             if backward:
-                out[0].backward()
+                pg_loss.backward()
                 lp.grad = None
-            return [t.item() for t in out]
+            return pg_loss.item(), metrics
 
         return run
 
     version = installed_versions().get("verl", "?")
-    return [Impl(f"verl {version} (installed) compute_policy_loss + .item()", "ref", build)]
+    return [Impl(f"verl {version} (installed) compute_policy_loss_vanilla + .item()", "ref", build)]
 
 
 def make_cases(quick: bool, device: str) -> list[Case]:
@@ -695,9 +709,7 @@ def check_agreement(device: str) -> list[str]:
     if "verl" in installed_versions():
         from verl.trainer.ppo import core_algos
 
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            real = _verl_policy_loss(core_algos, x, x.logp)[0]
+        real = _verl_policy_loss(core_algos, x, x.logp)[0]
         torch.testing.assert_close(real, ours, rtol=1e-5, atol=1e-7)
         r = reward_inputs(4096, 256, device, True)
         want = core_algos.compute_grpo_outcome_advantage(
@@ -1105,9 +1117,9 @@ def render_markdown(
         "it runs with a KL term or IS weights. `compiled=True` puts the loss scale, the loss "
         "and its gradient in one `torch.compile` graph (compiled once per process; its "
         "compile time is in the table below, not in the timings). The eager CPU path works "
-        "in blocks of rows of about 256 Ki elements through 4 buffers allocated per call "
-        "(4 MiB in float32, 8 with per-token advantages); they are part of the `extra "
-        "peak` column.",
+        "in blocks of rows of about 512 Ki elements, inside the gradient and two scratch "
+        "buffers allocated per call (at most 4 MiB in float32; six with per-token "
+        "advantages); they are part of the `extra peak` column.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -396,3 +396,43 @@ def test_retained_graph_backward_twice_and_mutated_grad() -> None:
     loss.backward()
     assert lp.grad is not None
     torch.testing.assert_close(lp.grad, 2 * g_ref)
+
+
+@given(cases())
+def test_forward_without_grad_matches(c: dict[str, Any]) -> None:
+    """The no-grad forward (its own buffers, no gradient) gives the same loss."""
+    kw = c["kw"]
+    with torch.no_grad():
+        fused = fused_token_level_loss(c["logp"], c["old_logp"], c["adv"], c["mask"], **kw)
+    kw = {k: v for k, v in kw.items() if k != "chunk_elems"}
+    assert_loss_close(fused, reference(c["logp"], c["old_logp"], c["adv"], c["mask"], **kw))
+
+
+@pytest.mark.parametrize("adv_layout", ["batch", "batch seq"])
+def test_huge_advantages_on_masked_rows_stay_out(adv_layout: str) -> None:
+    """An inf advantage on a fully masked row: the float-only path would make 0 * inf."""
+    b = make_batch(5, 12, 2)
+    mask = b.mask.clone()
+    mask[2] = False
+    adv = b.advantages.clone()
+    adv[2] = float("inf")
+    if adv_layout == "batch seq":
+        adv = torch.where(mask, adv[:, None], float("-inf"))
+    for dual in (None, 3.0):
+        fused, ref, g_fused, g_ref = both(b.logp, b.old_logp, adv, mask, dual_clip=dual)
+        assert bool(torch.isfinite(fused)) and bool(torch.isfinite(g_fused).all())
+        assert_loss_close(fused, ref)
+        assert torch.equal(g_fused, g_ref)
+
+
+def test_default_dtype_float64_changes_nothing() -> None:
+    b = make_batch(4, 9, 6)
+    want = both(b.logp, b.old_logp, b.advantages, b.mask, dual_clip=3.0)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        got = both(b.logp, b.old_logp, b.advantages, b.mask, dual_clip=3.0)
+    finally:
+        torch.set_default_dtype(before)
+    assert got[0].dtype == torch.float32
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])

@@ -104,7 +104,7 @@ def logp_grads(
     elif grad_out.device.type != "cpu" or float(grad_out) != 1.0:
         grad.mul_(grad_out)
     g_old = grad.neg().to(dtypes[1]) if needs[1] else None
-    g_logp = grad.to(dtypes[0]) if needs[0] else None
+    g_logp = (grad if grad.dtype == dtypes[0] else grad.to(dtypes[0])) if needs[0] else None
     return g_logp, g_old
 
 

@@ -148,29 +148,11 @@ class _ClipHigherLoss(torch.autograd.Function):
         advantages: Tensor,
         valid: Tensor,
         scale: Tensor,
-        eps_low: float,
-        eps_high: float,
-        dual_clip: float | None,
-        log_ratio_clamp: float,
-        want_grad: bool,
-        compiled: bool | str,
-        chunk_elems: int | None,
+        opts: tuple[float, float, float | None, float, bool, bool | str, int | None],
     ) -> Tensor:
-        row_sums, grad = _all_terms(
-            logp,
-            old_logp,
-            advantages,
-            valid,
-            scale,
-            eps_low,
-            eps_high,
-            dual_clip,
-            log_ratio_clamp,
-            want_grad,
-            compiled,
-            chunk_elems,
-        )
-        ctx.opts = (eps_low, eps_high, dual_clip, log_ratio_clamp)
+        # options in one tuple: Function.apply's per-argument bookkeeping is not free
+        row_sums, grad = _all_terms(logp, old_logp, advantages, valid, scale, *opts)
+        ctx.opts = opts[:4]  # eps_low, eps_high, dual_clip, log_ratio_clamp
         ctx.dtypes = (logp.dtype, old_logp.dtype, advantages.dtype)
         ctx.scale_ndim = scale.ndim
         need_adv = ctx.needs_input_grad[2]
@@ -181,9 +163,10 @@ class _ClipHigherLoss(torch.autograd.Function):
         ctx.handover = grad is not None and not is_compiling()
         if ctx.handover:
             ctx.grad_buffer = grad
+            # the same options, with the gradient asked for
             ctx.recompute = (
-                (logp.detach(), old_logp.detach(), advantages.detach(), valid, scale.detach()),
-                (eps_low, eps_high, dual_clip, log_ratio_clamp, True, compiled, chunk_elems),
+                (logp, old_logp, advantages, valid, scale),
+                (*opts[:4], True, *opts[5:]),
             )
         # inputs are saved only when the advantages need a gradient
         ctx.save_for_backward(
@@ -228,7 +211,7 @@ class _ClipHigherLoss(torch.autograd.Function):
                 if ctx.scale_ndim == 0
                 else grad_out * rearrange(row_sums, "batch -> batch 1")
             )
-        return (g_logp, g_old, g_adv, None, g_scale) + (None,) * 7
+        return g_logp, g_old, g_adv, None, g_scale, None
 
 
 # --------------------------------------------------------------------------------------
@@ -305,20 +288,8 @@ def clip_higher_loss_fused(
             chunk_elems,
         )
         return scaled_sum(row_sums, scale)
-    out = _ClipHigherLoss.apply(  # type: ignore[no-untyped-call]
-        logp,
-        old_logp,
-        advantages,
-        valid,
-        scale,
-        eps_low,
-        eps_high,
-        dual_clip,
-        log_ratio_clamp,
-        want_grad,
-        compiled,
-        chunk_elems,
-    )
+    opts = (eps_low, eps_high, dual_clip, log_ratio_clamp, want_grad, compiled, chunk_elems)
+    out = _ClipHigherLoss.apply(logp, old_logp, advantages, valid, scale, opts)  # type: ignore[no-untyped-call]
     return out  # type: ignore[no-any-return]
 
 

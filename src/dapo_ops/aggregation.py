@@ -224,18 +224,21 @@ def _refuse_local_count_under_distributed() -> None:
         )
 
 
-def _count_true(valid: Tensor, *, row_wise: bool) -> Tensor:
+def _count_true(valid: Tensor, *, row_wise: bool, dtype: torch.dtype | None = None) -> Tensor:
     """Number of True entries of a bool tensor, in all (0-dim) or per row (``[b, 1]``).
 
-    Exact. On CPU in eager mode it sums a uint8 view with an int32 accumulator (below
-    2**31 entries), about twice as fast as ``bool.sum``, which goes through int64.
+    Exact; in ``dtype`` when given. On CPU in eager mode it sums a uint8 view with an
+    int32 accumulator (below 2**31 entries), about twice as fast as ``bool.sum``, which
+    goes through int64; straight into a float dtype when every partial sum is an
+    integer that float represents exactly (fewer than 2**24 entries).
     """
     if valid.device.type == "cpu" and not is_compiling() and valid.numel() < 2**31:
         u8 = valid.view(torch.uint8)
-        if row_wise:
-            return u8.sum(dim=-1, keepdim=True, dtype=torch.int32)
-        return u8.sum(dtype=torch.int32)
-    return valid.sum(dim=-1, keepdim=True) if row_wise else valid.sum()
+        acc = dtype if dtype is not None and valid.numel() < 2**24 else torch.int32
+        count = u8.sum(dim=-1, keepdim=True, dtype=acc) if row_wise else u8.sum(dtype=acc)
+    else:
+        count = valid.sum(dim=-1, keepdim=True) if row_wise else valid.sum()
+    return count if dtype is None or count.dtype == dtype else count.to(dtype)
 
 
 def loss_scale(
@@ -265,15 +268,15 @@ def loss_scale(
     """
     check_option("mode", mode, AGGREGATION_MODES)
     check_max_len(max_len)
-    one = torch.ones((), dtype=dtype, device=valid.device)
     given = check_normalizer(normalizer)
+    if mode == "token_mean" and given is None:
+        # 1 / max(N, 1): a count is an integer, so this is one / where(N == 0, one, N)
+        return torch.reciprocal(_count_true(valid, row_wise=False, dtype=dtype).clamp_(min=1))
+    one = torch.ones((), dtype=dtype, device=valid.device)
     den = None if given is None else torch.as_tensor(given, dtype=dtype, device=valid.device)
-
-    if mode == "token_mean":
-        if den is None:
-            den = _count_true(valid, row_wise=False).to(dtype)
+    if mode == "token_mean" and den is not None:
         return one / torch.where(den == 0, one, den)
-    seq_tokens = _count_true(valid, row_wise=True).to(dtype)
+    seq_tokens = _count_true(valid, row_wise=True, dtype=dtype)
     if den is None:
         den = (seq_tokens > 0).sum().to(dtype)
     inv = one / torch.where(den == 0, one, den)

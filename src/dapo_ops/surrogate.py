@@ -168,6 +168,11 @@ def clip_bounds(
     """
     negative = adv < 0
     cap = math.inf if dual_clip is None else dual_clip
+    if adv.dtype == torch.get_default_dtype():  # two Python numbers give that dtype
+        return (
+            torch.where(negative, 1.0 - eps_low, -math.inf),
+            torch.where(negative, cap, 1.0 + eps_high),
+        )
     lo = torch.where(negative, torch.full_like(adv, 1.0 - eps_low), -math.inf)
     hi = torch.where(negative, torch.full_like(adv, cap), torch.full_like(adv, 1.0 + eps_high))
     return lo, hi
