@@ -1072,10 +1072,12 @@ def render_markdown(
         "paths, op for op (written from the peers' algorithms, nothing imported or copied; "
         "where the peers themselves are installed they are timed too, see below):",
         "",
-        "- **verl 0.4.x-0.5.x** (`verl/trainer/ppo/core_algos.py`): `compute_policy_loss` "
-        "(vanilla, dual clip `clip_ratio_c=3` always applied) + `agg_loss` + "
-        "`verl_F.masked_mean` (`(x*mask).sum()/(mask.sum()+1e-8)`), the actor's four "
-        "`.detach().item()` metrics (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower); "
+        "- **verl 0.9.1** (`verl/trainer/ppo/core_algos.py`): `compute_policy_loss_vanilla` "
+        "(dual clip `clip_ratio_c=3` always applied) + `agg_loss` (token-mean divided by the "
+        "global token count the trainer passes in `global_batch_info`) + `verl_F.masked_sum`"
+        " (`where(mask, x, 0) * mask`, summed; verl 0.4-0.5 had no `where`) and "
+        "`masked_mean`; the `.detach().item()` of the three policy metrics (pg_clipfrac, "
+        "ppo_kl, pg_clipfrac_lower) and of pg_loss; "
         "`compute_grpo_outcome_advantage` (defaultdict-of-lists loop over the uid array); "
         "the DAPO recipe's `filter_groups` loop (with its list-membership test); the DAPO "
         "reward manager's overlong-buffer penalty, per sample.",
@@ -1107,10 +1109,10 @@ def render_markdown(
         "- Installed peers found in this environment and timed directly (rows marked "
         "`(installed)`): "
         + (", ".join(f"{k} {v}" for k, v in installed_versions().items()) or "none")
-        + ". Installed verl's `compute_policy_loss` is the deprecated 0.4-style entry point "
-        "(same chain as `compute_policy_loss_vanilla`, whose `masked_mean` now masks with "
-        "`where` first); its GRPO advantage is timed both as the uid loop and as the "
-        "vectorized estimator (`grpo_vectorized`) that newer verl offers.",
+        + ". Installed verl's `compute_policy_loss_vanilla` runs with a real `ActorConfig` "
+        "(clip 0.2/0.28, `clip_ratio_c=3`, the global token count in `global_batch_info`); "
+        "its GRPO advantage is timed both as the uid loop and as the vectorized estimator "
+        "(`grpo_vectorized`) that newer verl offers.",
         "- Agreement checked before timing: " + "; ".join(notes) + ".",
         "- `token_level_loss` runs the fused path (one pass, analytic backward) whenever "
         "`kl_beta == 0` and no `is_weights` are given; the unfused composition row is what "

@@ -436,3 +436,24 @@ def test_default_dtype_float64_changes_nothing() -> None:
         torch.set_default_dtype(before)
     assert got[0].dtype == torch.float32
     assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+
+
+@pytest.mark.parametrize("chunk_elems", [None, 10])
+def test_non_contiguous_inputs(chunk_elems: int | None) -> None:
+    """Strided views (a column slice, a transpose) give the contiguous result."""
+    b = make_batch(6, 11, 12)
+    wide = torch.randn(6, 30)
+    wide[:, 3:14] = b.logp
+    logp = wide[:, 3:14]  # row stride 30
+    old = b.old_logp.t().contiguous().t()  # column-major
+    mask = b.mask.t().contiguous().t()
+    adv = torch.randn(6, 11).t().contiguous().t()
+    assert not (logp.is_contiguous() or old.is_contiguous() or mask.is_contiguous())
+    for a in (b.advantages, adv):
+        for dual in (None, 3.0):
+            fused, ref, g_fused, g_ref = both(
+                logp, old, a, mask, dual_clip=dual, chunk_elems=chunk_elems
+            )
+            want = both(b.logp, b.old_logp, a.contiguous(), b.mask, dual_clip=dual)
+            assert_loss_close(fused, ref)
+            assert torch.equal(g_fused, g_ref) and torch.equal(g_fused, want[2])

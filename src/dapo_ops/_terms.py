@@ -39,7 +39,7 @@ from dapo_ops.surrogate import clip_bounds
 #: per call (the library keeps no buffers between calls).
 CPU_CHUNK_ELEMS = 1 << 19
 
-#: Stands in for an infinite bound in the float-only path (ratios are below e^80 there).
+#: Stands in for an infinite bound in the float-only path (its ratios are at most e^60).
 _BIG = 1e30
 
 
