@@ -164,51 +164,24 @@ def cpu_terms(
     bufs = [torch.empty((rows, seq), dtype=dtype) for _ in range(n_bufs)] if fast else []
     one_block = rows >= batch
 
+    exact_opts = (eps_low, eps_high, dual_clip, clamp, with_grad)
     for start in range(0, batch, rows):
         sl = slice(start, min(start + rows, batch))
         lp_b, old_b = (logp, old_logp) if one_block else (logp[sl], old_logp[sl])
-        if not fast:
-            _exact_block(
-                lp_b,
-                old_b,
-                adv,
-                valid,
-                scale,
-                row_sums,
-                grad,
-                sl,
-                eps_low,
-                eps_high,
-                dual_clip,
-                clamp,
-                with_grad,
-            )
-            continue
-        n = sl.stop - start
-        views = bufs if n == rows else [b.view(-1)[: n * seq].view(n, seq) for b in bufs]
-        q, vf = views[0], views[1]
-        r = views[2] if grad is None else (grad if one_block else grad[sl])
-        if same_dtype:
-            torch.sub(lp_b, old_b, out=r)
-        else:
-            r.copy_(lp_b).sub_(old_b)
-        low, high = (float(x) for x in torch.aminmax(r))
-        if math.isnan(low) or math.isnan(high):  # garbage somewhere in the block
-            _exact_block(
-                lp_b,
-                old_b,
-                adv,
-                valid,
-                scale,
-                row_sums,
-                grad,
-                sl,
-                eps_low,
-                eps_high,
-                dual_clip,
-                clamp,
-                with_grad,
-            )
+        block_fast = fast
+        if fast:
+            n = sl.stop - start
+            views = bufs if n == rows else [b.view(-1)[: n * seq].view(n, seq) for b in bufs]
+            q, vf = views[0], views[1]
+            r = views[2] if grad is None else (grad if one_block else grad[sl])
+            if same_dtype:
+                torch.sub(lp_b, old_b, out=r)
+            else:
+                r.copy_(lp_b).sub_(old_b)
+            low, high = (float(x) for x in torch.aminmax(r))
+            block_fast = not (math.isnan(low) or math.isnan(high))  # NaN: garbage somewhere
+        if not block_fast:
+            _exact_block(lp_b, old_b, adv, valid, scale, row_sums, grad, sl, *exact_opts)
             continue
         keep = None
         if with_grad and (low < -clamp or high > clamp):  # rare: the log-ratio clamp acts
