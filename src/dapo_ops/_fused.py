@@ -244,10 +244,10 @@ def clip_higher_loss_fused(
     Gradients: ``logp`` and ``old_logp`` (analytic, computed in the forward pass),
     ``advantages`` (analytic, recomputed in backward) and ``scale`` (row sums).
     ``compiled=True`` (or a backend name) runs the loss + gradient body
-    (:func:`dapo_ops._compiled.clamp_terms`) through ``torch.compile``, compiled on first
-    use and cached, on the whole batch. ``chunk_elems`` overrides the eager CPU chunk
-    size (elements per chunk, default ``CPU_CHUNK_ELEMS`` = 128 Ki; whole rows, at least
-    one; no chunking on other devices or when compiled).
+    (:func:`dapo_ops._terms.clamp_terms`) through ``torch.compile``, compiled on first
+    use and cached, on the whole batch. ``chunk_elems`` overrides the eager CPU block
+    size (elements per block, default ``CPU_CHUNK_ELEMS`` = 512 Ki; whole rows, at least
+    one; no blocks on other devices or when compiled).
 
     Example:
         >>> logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
