@@ -264,31 +264,12 @@ def clip_higher_loss_fused(
     if scale.dtype != dtype:
         raise InputError(f"scale must have the compute dtype {dtype}, got {scale.dtype}")
     want_grad = torch.is_grad_enabled() and (logp.requires_grad or old_logp.requires_grad)
-    if not (
-        torch.is_grad_enabled()
-        and (
-            logp.requires_grad
-            or old_logp.requires_grad
-            or advantages.requires_grad
-            or scale.requires_grad
-        )
-    ):
-        row_sums, _ = _all_terms(
-            logp,
-            old_logp,
-            advantages,
-            valid,
-            scale,
-            eps_low,
-            eps_high,
-            dual_clip,
-            log_ratio_clamp,
-            False,
-            compiled,
-            chunk_elems,
-        )
-        return scaled_sum(row_sums, scale)
     opts = (eps_low, eps_high, dual_clip, log_ratio_clamp, want_grad, compiled, chunk_elems)
+    if not (
+        want_grad or (torch.is_grad_enabled() and (advantages.requires_grad or scale.requires_grad))
+    ):
+        row_sums, _ = _all_terms(logp, old_logp, advantages, valid, scale, *opts)
+        return scaled_sum(row_sums, scale)
     out = _ClipHigherLoss.apply(logp, old_logp, advantages, valid, scale, opts)  # type: ignore[no-untyped-call]
     return out  # type: ignore[no-any-return]
 
