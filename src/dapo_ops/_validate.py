@@ -28,8 +28,7 @@ def shape_str(t: Tensor) -> str:
 
 
 def check_float(name: str, t: Tensor) -> None:
-    if not isinstance(t, Tensor):
-        raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_tensor(name, t)
     if not t.dtype.is_floating_point:
         raise InputError(
             f"{name} must be a floating-point tensor (float16, bfloat16, float32 or float64), "
@@ -52,8 +51,7 @@ def check_same_shape(name: str, t: Tensor, ref_name: str, ref: Tensor) -> None:
 
 def as_bool_mask(name: str, mask: Tensor, ref_name: str, ref: Tensor) -> Tensor:
     """Return ``mask`` as a bool tensor after checking its dtype and shape."""
-    if not isinstance(mask, Tensor):
-        raise InputError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
+    check_tensor(name, mask)
     check_same_shape(name, mask, ref_name, ref)
     if mask.dtype == torch.bool:
         return mask
@@ -90,3 +88,33 @@ def check_finite(name: str, t: Tensor) -> None:
     if not bool(torch.isfinite(t).all()):
         bad = int((~torch.isfinite(t)).sum())
         raise InputError(f"{name} must be finite; {bad} of {t.numel()} entries are NaN or inf")
+
+
+def check_tensor(name: str, value: object) -> None:
+    """``InputError`` unless ``value`` is a tensor with data (not on the meta device)."""
+    if not isinstance(value, Tensor):
+        raise InputError(
+            f"{name} must be a torch.Tensor, got {type(value).__name__}; "
+            "wrap it with torch.tensor(...)"
+        )
+    if value.device.type == "meta":
+        raise InputError(
+            f"{name} is on the meta device (a shape without data); pass a tensor on a real "
+            "device (cpu or cuda)"
+        )
+
+
+def check_same_device(name: str, t: Tensor, ref_name: str, ref: Tensor) -> None:
+    if t.device != ref.device:
+        raise InputError(
+            f"{name} is on {t.device} but {ref_name} is on {ref.device}; move them to one device"
+        )
+
+
+def check_no_grad(name: str, t: Tensor) -> None:
+    """``InputError`` if ``t`` would carry a gradient: a constant of the objective must not."""
+    if t.requires_grad and torch.is_grad_enabled():
+        raise InputError(
+            f"{name} requires grad, but it is a constant of the objective: a gradient through "
+            f"it would silently bend the policy gradient; pass {name}.detach()"
+        )
