@@ -56,3 +56,30 @@ def checker(request: pytest.FixtureRequest) -> Iterator[str]:
         yield str(request.param)
     finally:
         jaxtyping.config.update("jaxtyping_disable", False)
+
+
+def _unwrap_dataclass_inits() -> None:
+    """Give dapo_ops' frozen dataclasses (objectives, KLPenalty, presets) their plain
+    methods back.
+
+    The annotation checker wraps a method in a closure holding an ``inspect.Signature``,
+    which ``torch.compile`` cannot trace when the dataclass is built inside a compiled
+    function (``token_level_loss`` builds a ``ClipHigher``: ``__init__`` then
+    ``__post_init__``); without the checker (every user's case) construction traces
+    fine. The fields are validated by each class's own ``__post_init__`` either way.
+    """
+    import dataclasses
+    import sys
+
+    import dapo_ops  # noqa: F401  (imports every module that defines a dataclass)
+
+    modules = [m for n, m in sys.modules.items() if n.startswith("dapo_ops")]
+    for module in modules:
+        for value in vars(module).values():
+            if isinstance(value, type) and dataclasses.is_dataclass(value):
+                for name, attr in list(vars(value).items()):
+                    if callable(attr) and hasattr(attr, "__wrapped__"):
+                        setattr(value, name, attr.__wrapped__)
+
+
+_unwrap_dataclass_inits()

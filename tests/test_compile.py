@@ -127,10 +127,12 @@ def test_variants_and_presets() -> None:
     ]
     cases += [
         (
-            lambda lp, p=p: p.loss(lp, b.old_logp, b.advantages, b.mask, ref_logp=ref, max_len=16),
+            lambda lp, p=p: p.loss(
+                lp, b.old_logp, b.advantages, b.mask, ref_logp=ref if p.kl else None, max_len=16
+            ),
             name,
         )
-        for name, p in d.PRESETS.items()
+        for name, p in d.presets.PRESETS.items()
     ]
     for fn, name in cases:
         lp_e = b.logp.clone().requires_grad_(True)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dapo_ops import demo
+from dapo_ops import ClipHigher, demo
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
@@ -106,7 +106,7 @@ def test_budget_samples_gives_both_runs_the_same_answers(tmp_path: Path) -> None
 @pytest.mark.parametrize(
     ("flag", "field", "value"),
     [
-        ("--no-clip-higher", "eps_high", 0.2),
+        ("--no-clip-higher", "objective", ClipHigher(eps_low=0.2, eps_high=0.2)),
         ("--no-dynamic-sampling", "dynamic_sampling", False),
         ("--no-token-level", "mode", "seq_mean_token_mean"),
         ("--no-overlong", "overlong_penalty", False),
@@ -123,9 +123,9 @@ def test_ablation_flags_switch_off_one_component(flag: str, field: str, value: o
 
 def test_grpo_baseline_settings() -> None:
     grpo = demo.GRPO_BASELINE
-    assert (grpo.eps_low, grpo.eps_high) == (0.2, 0.2)
+    assert grpo.objective == ClipHigher(eps_low=0.2, eps_high=0.2)
     assert grpo.mode == "seq_mean_token_mean"
-    assert grpo.kl_beta == 0.0  # no KL term in either run: no reference model
+    assert grpo.kl is None  # no KL term in either run: no reference model
     assert not (grpo.dynamic_sampling or grpo.overlong_penalty or grpo.overlong_filter)
 
 

@@ -1,4 +1,4 @@
-"""The fused Clip-Higher loss (dapo_ops._fused) equals the reference composition.
+"""The engine's fused path for ClipHigher (dapo_ops._engine) equals the reference composition.
 
 Reference: ``token_level_aggregate(clip_higher_surrogate(...), mask, ...)`` under autograd.
 The fused logp gradient is computed with the same roundings in the same order, so for a
@@ -10,6 +10,7 @@ active, even next to a bound.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -20,8 +21,38 @@ from _strategies import MODES, make_batch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dapo_ops import InputError, clip_higher_surrogate, token_level_aggregate
-from dapo_ops._fused import clip_higher_loss_fused, fused_token_level_loss, loss_scale
+from dapo_ops import ClipHigher, InputError, clip_higher_surrogate, token_level_aggregate
+from dapo_ops._engine import eager_body, fused_loss
+from dapo_ops.policy import prepare
+
+
+def fused_token_level_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    chunk_elems: int | None = None,
+    compiled: bool | str = False,
+    mode: str = "token_mean",
+    normalizer: Any = None,
+    max_len: int | None = None,
+    **clip: Any,
+) -> torch.Tensor:
+    """``token_level_loss`` through the engine, with the CPU block size (``chunk_elems``)
+    and the compile backend (``compiled``: a backend name) exposed for these tests."""
+    spec, tensors, den = prepare(
+        ClipHigher(**clip), logp, old_logp, adv, mask, mode=mode, normalizer=normalizer,
+        max_len=max_len, ref_logp=None, kl=None, is_weights=None, compiled=False,
+    )  # fmt: skip
+    spec = dataclasses.replace(spec, chunk_elems=chunk_elems)
+    if compiled:
+        from dapo_ops._compiled import compiled_body
+
+        backend = "inductor" if compiled is True else str(compiled)
+        return fused_loss(spec, tensors, den, compiled_body(backend))
+    return fused_loss(spec, tensors, den, eager_body)
+
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -208,60 +239,40 @@ def test_near_bound_ratios_follow_the_spec(dtype: torch.dtype, adv_layout: str) 
         assert torch.equal(g_fused != 0, passes)
 
 
-@pytest.mark.parametrize("adv_layout", ["batch", "batch seq"])
-@pytest.mark.parametrize("dual_clip", [None, 3.0])
-def test_gradients_of_every_input(adv_layout: str, dual_clip: float | None) -> None:
+@pytest.mark.parametrize("constant", ["old_logp", "advantages", "normalizer"])
+def test_constants_that_require_grad_are_refused(constant: str) -> None:
+    """A gradient through old_logp, the advantages or the normaliser would silently bend
+    the policy gradient (``token_level_loss(logp, logp, ...)``): refused, with the hint."""
     b = make_batch(4, 7, 11, spread=0.5)
-    g = torch.Generator().manual_seed(0)
-    adv = b.advantages
-    if adv_layout == "batch seq":
-        adv = adv[:, None] * torch.rand(4, 7, generator=g)
-    norm = torch.tensor(9.0)
-    inputs_f = [t.clone().requires_grad_(True) for t in (b.logp, b.old_logp, adv, norm)]
-    inputs_r = [t.clone().requires_grad_(True) for t in (b.logp, b.old_logp, adv, norm)]
-    kw: dict[str, Any] = {"dual_clip": dual_clip, "mode": "seq_mean_token_mean"}
-    lp, old, a, n = inputs_f
-    fused = fused_token_level_loss(lp, old, a, b.mask, normalizer=n, **kw)
-    lp, old, a, n = inputs_r
-    ref = reference(lp, old, a, b.mask, normalizer=n, **kw)
-    (2.0 * fused).backward()
-    (2.0 * ref).backward()
-    for f, r in zip(inputs_f, inputs_r, strict=True):
-        assert f.grad is not None and r.grad is not None
-        assert f.grad.dtype == r.grad.dtype and f.grad.shape == r.grad.shape
-        torch.testing.assert_close(f.grad, r.grad, rtol=1e-5, atol=1e-7)
+    args: dict[str, Any] = {
+        "old_logp": b.old_logp,
+        "advantages": b.advantages,
+        "normalizer": torch.tensor(9.0),
+    }
+    args[constant] = args[constant].clone().requires_grad_(True)
+    lp = b.logp.clone().requires_grad_(True)
+    with pytest.raises(InputError, match=rf"{constant} requires grad.*detach\(\)"):
+        fused_token_level_loss(
+            lp, args["old_logp"], args["advantages"], b.mask, normalizer=args["normalizer"]
+        )
+    with torch.no_grad():  # no gradient is being recorded: nothing to bend
+        fused_token_level_loss(
+            lp, args["old_logp"], args["advantages"], b.mask, normalizer=args["normalizer"]
+        )
 
 
 @pytest.mark.parametrize("dual_clip", [None, 3.0])
 @pytest.mark.parametrize("mode", MODES)
 def test_gradcheck_float64(dual_clip: float | None, mode: str) -> None:
     b = make_batch(3, 5, 7, dtype=torch.float64, spread=0.3)
-    inputs = (
-        b.logp.clone().requires_grad_(True),
-        b.old_logp.clone().requires_grad_(True),
-        b.advantages.clone().requires_grad_(True),
-        torch.tensor(6.0, dtype=torch.float64, requires_grad=True),
-    )
 
-    def f(lp: torch.Tensor, old: torch.Tensor, a: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    def f(lp: torch.Tensor) -> torch.Tensor:
         return fused_token_level_loss(
-            lp, old, a, b.mask, mode=mode, normalizer=n, dual_clip=dual_clip, chunk_elems=5
-        )
+            lp, b.old_logp, b.advantages, b.mask, mode=mode, normalizer=6.0, dual_clip=dual_clip,
+            chunk_elems=5,
+        )  # fmt: skip
 
-    assert torch.autograd.gradcheck(f, inputs)
-
-
-def test_low_level_scale_forms() -> None:
-    b = make_batch(4, 6, 2)
-    valid = b.mask
-    adv = b.advantages[:, None]
-    for mode in MODES:
-        scale = loss_scale(valid, mode=mode, max_len=9)  # type: ignore[arg-type]
-        assert scale.shape == ((4, 1) if mode == "seq_mean_token_mean" else ())
-        got = clip_higher_loss_fused(b.logp, b.old_logp, adv, valid, scale)
-        assert_loss_close(got, reference(b.logp, b.old_logp, adv, valid, mode=mode, max_len=9))
-    with pytest.raises(InputError, match="scale"):
-        clip_higher_loss_fused(b.logp, b.old_logp, adv, valid, torch.tensor(1.0).double())
+    assert torch.autograd.gradcheck(f, (b.logp.clone().requires_grad_(True),))
 
 
 def test_no_grad_and_inputs_untouched() -> None:
@@ -351,18 +362,19 @@ def test_traces_fullgraph_and_compiled_variant() -> None:
 
 
 def test_cpu_fast_path_needs_no_fallback_on_clean_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Finite inputs (an active log-ratio clamp or inf padding included) stay on the
-    float-only CPU path; a NaN log-ratio sends its block to the `where` path."""
-    import dapo_ops._terms as terms_mod
+    """Finite inputs (an active log-ratio clamp or inf padding included) and NaN in
+    masked positions stay on the float-only CPU path; only a NaN log-ratio on a *valid*
+    token sends its block to the `where`-based generic body."""
+    import dapo_ops._engine as engine
 
     calls: list[int] = []
-    exact = terms_mod.clamp_terms
+    exact = engine.generic_terms
 
     def counting(*args: Any) -> Any:
         calls.append(1)
         return exact(*args)
 
-    monkeypatch.setattr(terms_mod, "clamp_terms", counting)
+    monkeypatch.setattr(engine, "generic_terms", counting)
     b = make_batch(6, 10, 5)
     far = b.logp.clone()
     far[0, :3] = torch.tensor([-40.0, 40.0, 25.0])  # the log-ratio clamp is active
@@ -375,10 +387,14 @@ def test_cpu_fast_path_needs_no_fallback_on_clean_inputs(monkeypatch: pytest.Mon
                 )
                 assert_loss_close(fused, ref)
                 assert torch.equal(g_fused, g_ref)
-    assert not calls
     logp = torch.where(b.mask, b.logp, torch.tensor(float("nan")))
     _, _, g_fused, g_ref = both(logp, b.old_logp, b.advantages, b.mask, chunk_elems=20)
-    assert torch.equal(g_fused, g_ref) and calls
+    assert torch.equal(g_fused, g_ref)
+    assert not calls
+    logp = b.logp.clone()
+    logp[b.mask.nonzero()[0].tolist()] = float("nan")  # on a valid token: the loss is NaN
+    fused, _, _, _ = both(logp, b.old_logp, b.advantages, b.mask, chunk_elems=20)
+    assert calls and bool(fused.isnan())
 
 
 def test_retained_graph_backward_twice_and_mutated_grad() -> None:
@@ -457,3 +473,33 @@ def test_non_contiguous_inputs(chunk_elems: int | None) -> None:
             want = both(b.logp, b.old_logp, a.contiguous(), b.mask, dual_clip=dual)
             assert_loss_close(fused, ref)
             assert torch.equal(g_fused, g_ref) and torch.equal(g_fused, want[2])
+
+
+@given(cases(), st.sampled_from([float("nan"), float("inf"), -float("inf")]), st.data())
+def test_masked_garbage_changes_nothing_bitwise(c: dict[str, Any], junk: float, data: Any) -> None:
+    """The documented promise: masked positions change nothing, bit for bit (loss and
+    gradient), whatever they hold and wherever (logp, old_logp, per-token advantages, or
+    the per-row advantage of a fully masked row)."""
+    logp, old, adv, mask = c["logp"], c["old_logp"], c["adv"], c["mask"].bool()
+    kw = c["kw"]
+    where = data.draw(st.sampled_from(["logp", "old_logp", "adv", "all"]))
+    dirty = {"logp": logp, "old_logp": old, "adv": adv}
+    bad = torch.tensor(junk)
+    for name in ("logp", "old_logp") if where == "all" else (where,):
+        if name != "adv":
+            dirty[name] = torch.where(mask, dirty[name], bad.to(dirty[name].dtype))
+    if where in ("adv", "all"):
+        if adv.ndim == 2 and adv.shape[1] == mask.shape[1]:
+            dirty["adv"] = torch.where(mask, adv, bad.to(adv.dtype))
+        else:  # per-row: garbage on the rows with no valid token
+            empty = ~mask.any(dim=-1)
+            dirty["adv"] = torch.where(empty.view(adv.shape), bad.to(adv.dtype), adv)
+    lp_c = logp.detach().clone().requires_grad_(True)
+    lp_d = dirty["logp"].detach().clone().requires_grad_(True)
+    clean = fused_token_level_loss(lp_c, old, adv, mask, **kw)
+    dirt = fused_token_level_loss(lp_d, dirty["old_logp"], dirty["adv"], mask, **kw)
+    clean.backward()
+    dirt.backward()
+    assert torch.equal(clean, dirt), (clean, dirt)
+    assert lp_c.grad is not None and lp_d.grad is not None
+    assert torch.equal(lp_c.grad, lp_d.grad)

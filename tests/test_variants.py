@@ -159,19 +159,19 @@ def paper_loss(
         count += 1
         lp, old, rf = b.logp[i][m].double(), b.old_logp[i][m].double(), ref[i][m].double()
         a = float(b.advantages[i])
-        if preset.surrogate == "gspo":
+        obj = preset.objective
+        assert isinstance(obj, (d.GSPO, d.CISPO, d.ClipHigher))
+        if isinstance(obj, d.GSPO):
             s = torch.exp((lp - old).mean())
-            terms = -torch.min(
-                s * a, s.clamp(1 - preset.eps_low, 1 + preset.eps_high) * a
-            ).expand_as(lp)
-        elif preset.surrogate == "cispo":
-            w = torch.exp(lp - old).clamp(max(0.0, 1 - preset.eps_low), 1 + preset.eps_high)
+            terms = -torch.min(s * a, s.clamp(1 - obj.eps_low, 1 + obj.eps_high) * a).expand_as(lp)
+        elif isinstance(obj, d.CISPO):
+            w = torch.exp(lp - old).clamp(max(0.0, 1 - obj.eps_low), 1 + obj.eps_high)
             terms = -w * a * lp
         else:
             r = torch.exp(lp - old)
-            terms = -torch.min(r * a, r.clamp(1 - preset.eps_low, 1 + preset.eps_high) * a)
-        if preset.kl_beta:
-            terms = terms + preset.kl_beta * (torch.exp(rf - lp) - (rf - lp) - 1)
+            terms = -torch.min(r * a, r.clamp(1 - obj.eps_low, 1 + obj.eps_high) * a)
+        if preset.kl is not None:
+            terms = terms + preset.kl.beta * (torch.exp(rf - lp) - (rf - lp) - 1)
         if preset.mode == "token_mean":
             total = total + terms.sum() / tokens
         elif preset.mode == "seq_mean_token_mean":
@@ -183,23 +183,49 @@ def paper_loss(
     return total if preset.mode == "token_mean" else total / max(count, 1)
 
 
-@pytest.mark.parametrize("name", list(d.PRESETS))
+@pytest.mark.parametrize("name", list(d.presets.PRESETS))
 @given(b=policy_batches())
 def test_presets_reproduce_their_papers(name: str, b: PolicyBatch) -> None:
-    preset = d.PRESETS[name]
+    preset = d.presets.PRESETS[name]
     ref = b.old_logp + 0.1
-    got = preset.loss(b.logp, b.old_logp, b.advantages, b.mask, ref_logp=ref, max_len=32)
+    got = preset.loss(
+        b.logp,
+        b.old_logp,
+        b.advantages,
+        b.mask,
+        ref_logp=ref if preset.kl is not None else None,
+        max_len=32,
+    )
     torch.testing.assert_close(got.double(), paper_loss(preset, b, ref, 32), rtol=1e-4, atol=1e-6)
 
 
 def test_preset_advantages_and_replace() -> None:
+    dapo = d.presets.DAPO
     r = torch.tensor([[1.0, 0.0, 0.0, 1.0]])
-    torch.testing.assert_close(d.DAPO.advantages(r), d.group_advantages(r))
-    torch.testing.assert_close(d.DR_GRPO.advantages(r), r - 0.5)
-    c = d.DAPO.replace(dual_clip=3.0)
-    assert c.dual_clip == 3.0 and d.DAPO.dual_clip is None and c.name == "dapo"
-    assert d.DAPO.kl_beta == 0 and d.DAPO.dynamic_sampling and d.DAPO.overlong_penalty
-    assert d.DAPO.verl["clip_ratio_high"] == 0.28 and d.DAPO.trl["loss_type"] == "dapo"
+    torch.testing.assert_close(dapo.advantages(r), d.group_advantages(r))
+    torch.testing.assert_close(d.presets.DR_GRPO.advantages(r), r - 0.5)
+    c = dapo.replace(objective=d.ClipHigher(dual_clip=3.0))
+    assert c.objective == d.ClipHigher(eps_low=0.2, eps_high=0.28, dual_clip=3.0)
+    assert dapo.objective == d.ClipHigher(eps_low=0.2, eps_high=0.28) and c.name == "dapo"
+    assert dapo.kl is None and dapo.dynamic_sampling and dapo.overlong_penalty
+    assert dapo.verl["clip_ratio_high"] == 0.28 and dapo.trl["loss_type"] == "dapo"
+
+
+def test_presets_are_validated_and_own_read_only_peer_mappings() -> None:
+    dapo = d.presets.DAPO
+    # InputError, or the runtime annotation checker's error (a ValueError too) in this suite
+    with pytest.raises(ValueError, match="objective"):
+        dapo.replace(objective="ppo")
+    with pytest.raises(ValueError, match="mode"):
+        dapo.replace(mode="token-mean")
+    with pytest.raises(d.InputError, match="beta"):
+        d.presets.GRPO.replace(kl=d.KLPenalty(beta=-1.0))
+    with pytest.raises(TypeError, match="dual_clip"):  # GSPO has no dual clip: no such field
+        d.presets.GSPO.replace(objective=d.GSPO(dual_clip=3.0))  # type: ignore[call-arg]
+    derived = dapo.replace(name="mine")
+    with pytest.raises(TypeError):
+        derived.verl["clip_ratio_high"] = 0.3  # type: ignore[index]
+    assert derived.verl == dapo.verl and derived.verl is not dapo.verl
 
 
 # --- peer-exact options -----------------------------------------------------------

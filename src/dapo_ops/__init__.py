@@ -4,8 +4,13 @@ The math is derived in docs/; every public function documents its formula, shape
 defaults. Import what you need::
 
     from dapo_ops import token_level_loss, group_advantages, global_normalizer
+    from dapo_ops import policy_loss, ClipHigher, GSPO, CISPO, presets
+
+Objectives (the loss) are values at the top level; recipes (objective + advantages +
+aggregation + sampling) live in :mod:`dapo_ops.presets` (``presets.DAPO``, ...).
 """
 
+from dapo_ops import presets
 from dapo_ops._validate import InputError
 from dapo_ops.advantages import group_advantages
 from dapo_ops.aggregation import PartialLoss, aggregate_partial, token_level_aggregate
@@ -14,12 +19,13 @@ from dapo_ops.diagnostics import (
     BatchDiagnostics,
     PolicyDiagnostics,
     batch_diagnostics,
+    objective_diagnostics,
     policy_diagnostics,
 )
 from dapo_ops.distributed import global_normalizer
 from dapo_ops.gspo import gspo_sequence_ratio, gspo_surrogate
 from dapo_ops.importance import truncated_is_weights
-from dapo_ops.kl import kl_penalty
+from dapo_ops.kl import KLPenalty, kl_penalty
 from dapo_ops.logprobs import (
     LogpEntropy,
     fused_logprobs_entropy,
@@ -28,23 +34,24 @@ from dapo_ops.logprobs import (
     token_logprobs_and_entropy,
 )
 from dapo_ops.loss import token_level_loss
-from dapo_ops.presets import CISPO, DAPO, DR_GRPO, GRPO, GSPO, PRESETS, ObjectivePreset
+from dapo_ops.objectives import CISPO, GSPO, ClipHigher, Objective
+from dapo_ops.policy import policy_loss, policy_loss_with_diagnostics
+from dapo_ops.presets import ObjectivePreset
 from dapo_ops.rewards import overlong_filter, overlong_reward
 from dapo_ops.sampling import dynamic_sample_mask, kept_group_fraction, prompts_to_generate
-from dapo_ops.surrogate import clip_higher_surrogate
+from dapo_ops.surrogate import clip_higher_surrogate, per_token_loss
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CISPO",
-    "DAPO",
-    "DR_GRPO",
-    "GRPO",
     "GSPO",
-    "PRESETS",
     "BatchDiagnostics",
+    "ClipHigher",
     "InputError",
+    "KLPenalty",
     "LogpEntropy",
+    "Objective",
     "ObjectivePreset",
     "PartialLoss",
     "PolicyDiagnostics",
@@ -60,9 +67,14 @@ __all__ = [
     "gspo_surrogate",
     "kept_group_fraction",
     "kl_penalty",
+    "objective_diagnostics",
     "overlong_filter",
     "overlong_reward",
+    "per_token_loss",
     "policy_diagnostics",
+    "policy_loss",
+    "policy_loss_with_diagnostics",
+    "presets",
     "prompts_to_generate",
     "token_entropy",
     "token_level_aggregate",

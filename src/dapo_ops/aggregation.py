@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+import math
+from typing import NamedTuple
 
 import torch
 from einops import rearrange
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
+from dapo_ops._rules import AGGREGATION_MODES, AggregationMode, Normalizer, compute_dtype
 from dapo_ops._validate import (
     InputError,
     as_bool_mask,
@@ -18,18 +20,15 @@ from dapo_ops._validate import (
     is_compiling,
 )
 
-AggregationMode = Literal[
-    "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
+__all__ = [
+    "AGGREGATION_MODES",
+    "AggregationMode",
+    "Normalizer",
+    "PartialLoss",
+    "aggregate_partial",
+    "loss_scale",
+    "token_level_aggregate",
 ]
-AGGREGATION_MODES: tuple[str, ...] = (
-    "token_mean",
-    "seq_mean_token_mean",
-    "seq_mean_token_sum",
-    "seq_mean_token_sum_norm",
-)
-
-#: What ``normalizer=`` accepts (see :func:`token_level_aggregate`).
-Normalizer = Float[Tensor, ""] | Integer[Tensor, ""] | int | float | Literal["local"] | None
 
 
 class PartialLoss(NamedTuple):
@@ -111,7 +110,7 @@ def aggregate_partial(
     valid = as_bool_mask("mask", mask, "per_token_loss", per_token_loss)
     check_option("mode", mode, AGGREGATION_MODES)
     check_max_len(max_len)
-    dtype = torch.float64 if per_token_loss.dtype == torch.float64 else torch.float32
+    dtype = compute_dtype(per_token_loss)
     loss = torch.where(valid, per_token_loss.to(dtype), per_token_loss.new_zeros((), dtype=dtype))
     if mode == "token_mean":
         return PartialLoss(loss.sum(), valid.sum().to(dtype))
@@ -131,12 +130,7 @@ def token_level_aggregate(
     mask: Bool[Tensor, "batch seq"] | Integer[Tensor, "batch seq"],
     *,
     mode: AggregationMode = "token_mean",
-    normalizer: Float[Tensor, ""]
-    | Integer[Tensor, ""]
-    | int
-    | float
-    | Literal["local"]
-    | None = None,
+    normalizer: Normalizer = None,
     max_len: int | None = None,
 ) -> Float[Tensor, ""]:
     r"""Aggregate a per-token loss into the scalar that is backpropagated.
@@ -208,8 +202,10 @@ def check_normalizer(normalizer: object) -> Tensor | float | None:
             raise InputError(f"normalizer must be a real number, got dtype {normalizer.dtype}")
     elif isinstance(normalizer, bool) or not isinstance(normalizer, (int, float)):
         raise InputError(f"normalizer must be a number or a 0-dim tensor, got {normalizer!r}")
-    elif not normalizer > 0:
-        raise InputError(f"normalizer must be > 0, got {normalizer}")
+    elif not (0 < normalizer < math.inf):
+        raise InputError(
+            f"normalizer must be finite and > 0 (a count of tokens or sequences), got {normalizer}"
+        )
     return normalizer  # type: ignore[return-value]
 
 

@@ -1,13 +1,14 @@
-"""CISPO: clip the importance weight, not the update (MiniMax-M1, 2025)."""
+"""CISPO's per-token loss as a plain autograd function (the objective: :class:`CISPO`)."""
 
 from __future__ import annotations
 
-import torch
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
+from dapo_ops._rules import LOG_RATIO_CLAMP
 from dapo_ops._validate import InputError
-from dapo_ops.surrogate import LOG_RATIO_CLAMP, token_terms
+from dapo_ops.objectives import CISPO
+from dapo_ops.surrogate import per_token_loss
 
 
 def cispo_surrogate(
@@ -20,24 +21,20 @@ def cispo_surrogate(
     floor: float = 0.0,
     log_ratio_clamp: float = LOG_RATIO_CLAMP,
 ) -> Float[Tensor, "batch seq"]:
-    r"""Per-token CISPO loss: a detached, clipped importance weight times the log-prob.
+    r"""Per-token CISPO loss: ``per_token_loss(CISPO(eps_low=1 - floor, eps_high=cap - 1))``.
 
     .. math::
 
         \ell_{i,t} = -\,\mathrm{sg}\big[\mathrm{clip}(r_{i,t}, \text{floor}, \text{cap})\big]
                      \,A_{i,t}\,\log\pi_\theta(y_{i,t})
 
-    Unlike PPO's clip, no token loses its gradient: the gradient w.r.t. ``logp`` is
-    ``-w A`` with ``w = clip(r, floor, cap)``, so its size is at most ``cap * |A|``.
-    The loss *value* is not an objective estimate (it contains ``log pi``); only its
-    gradient is meaningful. Aggregate with ``token_mean`` as in the paper.
+    No token loses its gradient (``-w A``, at most ``cap * |A|`` in size); the value is
+    not an objective estimate (it contains ``log pi``). See :class:`CISPO`.
 
-    Shapes and masking as :func:`clip_higher_surrogate`; returns ``[batch, seq]``, 0 at
-    masked positions.
+    Shapes and masking as :func:`clip_higher_surrogate`; returns ``[batch, seq]``.
 
-    Defaults: MiniMax-M1 imposes no lower bound (``floor=0``) and tunes only the upper
-    one; ``cap=1.28`` is ``1 + 0.28``, DAPO's ``eps_high`` (verl's CISPO uses
-    ``1 + clip_ratio_high`` too).
+    Defaults: ``floor=0`` (MiniMax-M1: no lower bound), ``cap=1.28`` (``1 + 0.28``, DAPO's
+    ``eps_high``, as verl's CISPO).
 
     Example:
         >>> lp = torch.log(torch.tensor([[0.5, 0.9]]))
@@ -45,12 +42,7 @@ def cispo_surrogate(
         >>> cispo_surrogate(lp, old, torch.tensor([1.0]))  # weights 1 and min(3, 1.28)
         tensor([[0.6931, 0.1349]])
     """
-    if not (0.0 <= floor <= 1.0 <= cap):
-        raise InputError(f"need 0 <= floor <= 1 <= cap; got floor={floor}, cap={cap}")
-    valid, _, ratio, adv = token_terms(
-        logp, old_logp, advantages, mask, log_ratio_clamp=log_ratio_clamp
-    )
-    weight = ratio.clamp(floor, cap).detach()
-    live = torch.where(valid, logp.to(ratio.dtype), torch.zeros_like(ratio))
-    loss = -weight * adv * live
-    return torch.where(valid, loss, torch.zeros_like(loss))
+    if not (0.0 <= floor <= 1.0 <= cap < float("inf")):
+        raise InputError(f"need 0 <= floor <= 1 <= cap < inf; got floor={floor}, cap={cap}")
+    objective = CISPO(eps_low=1.0 - floor, eps_high=cap - 1.0, log_ratio_clamp=log_ratio_clamp)
+    return per_token_loss(objective, logp, old_logp, advantages, mask)

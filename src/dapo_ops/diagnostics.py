@@ -8,10 +8,11 @@ import torch
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
-from dapo_ops._validate import InputError, check_clip_range, check_float, check_same_shape
+from dapo_ops._rules import LOG_RATIO_CLAMP
+from dapo_ops._validate import InputError, check_float, check_same_shape
 from dapo_ops.aggregation import safe_divide
+from dapo_ops.objectives import ClipHigher, Objective
 from dapo_ops.sampling import kept_group_counts
-from dapo_ops.surrogate import LOG_RATIO_CLAMP, token_terms
 
 
 class PolicyDiagnostics(NamedTuple):
@@ -110,7 +111,6 @@ class PolicyDiagnostics(NamedTuple):
         return safe_divide(self.entropy_sum, self.entropy_tokens)
 
 
-@torch.no_grad()
 def policy_diagnostics(
     logp: Float[Tensor, "batch seq"],
     old_logp: Float[Tensor, "batch seq"],
@@ -123,16 +123,12 @@ def policy_diagnostics(
     log_ratio_clamp: float = LOG_RATIO_CLAMP,
     entropy: Float[Tensor, "batch seq"] | None = None,
 ) -> PolicyDiagnostics:
-    r"""Clip fractions, ratio statistics and approximate KL over the valid tokens.
+    r"""Clip fractions, ratio statistics and approximate KL of Clip-Higher PPO.
 
-    With :math:`r = \exp(\log\pi_\theta - \log\pi_{old})` on valid tokens: the low / high
-    clip counts are the tokens whose clip is *active* (gradient exactly 0), i.e.
-    ``A < 0, r < 1 - eps_low`` and ``A > 0, r > 1 + eps_high``; the dual count is
-    ``A < 0, r > dual_clip``. ``approx_kl`` is the k3 estimator
-    :math:`\mathbb{E}_{old}[(r - 1) - \log r]` of :math:`KL(\pi_{old}\,\|\,\pi_\theta)`,
-    which is >= 0 per token. ``entropy`` (per-token policy entropy, e.g. from
-    :func:`token_entropy`) adds its masked sum, so ``.entropy`` is its masked mean; the
-    DAPO paper monitors it (it should rise slowly: too low is collapsed exploration).
+    :func:`objective_diagnostics` of ``ClipHigher(eps_low, eps_high, dual_clip,
+    log_ratio_clamp=log_ratio_clamp)``: the low / high clip counts are the tokens whose
+    clip is *active* (gradient exactly 0), ``A < 0, r < 1 - eps_low`` and
+    ``A > 0, r > 1 + eps_high``; the dual count is ``A < 0, r > dual_clip``.
 
     Same shapes and options as :func:`clip_higher_surrogate`; returns a
     :class:`PolicyDiagnostics` of detached 0-dim float64 tensors.
@@ -143,14 +139,50 @@ def policy_diagnostics(
         >>> float(d.clip_frac_high)
         0.5
     """
-    check_clip_range(eps_low, eps_high, dual_clip)
-    valid, log_ratio, ratio, adv = token_terms(
-        logp, old_logp, advantages, mask, log_ratio_clamp=log_ratio_clamp
+    objective = ClipHigher(
+        eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, log_ratio_clamp=log_ratio_clamp
     )
+    return objective_diagnostics(objective, logp, old_logp, advantages, mask, entropy=entropy)
+
+
+@torch.no_grad()
+def objective_diagnostics(
+    objective: Objective,
+    logp: Float[Tensor, "batch seq"],
+    old_logp: Float[Tensor, "batch seq"],
+    advantages: Float[Tensor, " batch"] | Float[Tensor, "batch 1"] | Float[Tensor, "batch seq"],
+    mask: Bool[Tensor, "batch seq"] | Integer[Tensor, "batch seq"],
+    *,
+    entropy: Float[Tensor, "batch seq"] | None = None,
+) -> PolicyDiagnostics:
+    r"""What a trainer logs about an update with ``objective``, over the valid tokens.
+
+    With :math:`r = \exp(\log\pi_\theta - \log\pi_{old})` (log-ratio clamped to the
+    objective's ``log_ratio_clamp``): the clip counts are the objective's
+    :meth:`~dapo_ops.objectives.Objective.clipped` tokens; ``approx_kl`` is the k3
+    estimator :math:`\mathbb{E}_{old}[(r - 1) - \log r]` of
+    :math:`KL(\pi_{old}\,\|\,\pi_\theta)`, >= 0 per token. ``entropy`` (per-token
+    policy entropy, e.g. from :func:`token_entropy`) adds its masked sum, so ``.entropy``
+    is its masked mean; the DAPO paper monitors it (too low is collapsed exploration).
+
+    Shapes as :func:`dapo_ops.policy_loss`; returns detached 0-dim float64 tensors.
+
+    Example:
+        >>> from dapo_ops import CISPO
+        >>> d = objective_diagnostics(CISPO(), torch.zeros(1, 2), torch.tensor([[0.0, -1.0]]),
+        ...                           torch.tensor([1.0]), torch.ones(1, 2, dtype=torch.bool))
+        >>> float(d.clip_frac_high)  # r = e > 1.28: the weight is capped
+        0.5
+    """
+    from dapo_ops._engine import policy_tensors, token_inputs  # the engine imports us
+
+    adv, valid, dtype = policy_tensors(
+        logp, old_logp, advantages, mask, per_sequence=objective.level == "sequence"
+    )
+    x = token_inputs(objective, logp, old_logp, adv, valid, dtype, reference=True)
+    low, high, dual = (valid & c for c in objective.clipped(x))
+    ratio, log_ratio = x.ratio, x.clamped
     acc = torch.float64  # counts stay exact past 2**24 tokens
-    low = valid & (adv < 0) & (ratio < 1.0 - eps_low)
-    high = valid & (adv > 0) & (ratio > 1.0 + eps_high)
-    dual = torch.zeros_like(valid) if dual_clip is None else valid & (adv < 0) & (ratio > dual_clip)
     inf = torch.full_like(ratio, float("inf"))
     zero = ratio.new_zeros((), dtype=acc)
     return PolicyDiagnostics(

@@ -10,8 +10,9 @@ from einops import rearrange
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
+from dapo_ops._engine import policy_tensors
+from dapo_ops._rules import LOG_RATIO_CLAMP, masked
 from dapo_ops._validate import InputError, check_option
-from dapo_ops.surrogate import token_terms
 
 
 def truncated_is_weights(
@@ -50,9 +51,12 @@ def truncated_is_weights(
     check_option("level", level, ("token", "sequence"))
     if not (cap > 0 and math.isfinite(cap)):
         raise InputError(f"cap must be finite and > 0, got {cap}")
-    valid, log_ratio, ratio, _ = token_terms(
+    _, valid, dtype = policy_tensors(
         old_logp, rollout_logp, None, mask, names=("old_logp", "rollout_logp")
     )
+    log_ratio = masked(valid, old_logp.to(dtype) - rollout_logp.to(dtype))
+    log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = log_ratio.exp()
     if level == "token":
         weight = ratio.clamp(max=cap)
     else:

@@ -1,17 +1,83 @@
-"""Per-token KL penalty against a reference policy (k1, k2, k3 estimators)."""
+"""KL penalty against a reference policy: the estimators, as a value the engine composes."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Literal
 
 import torch
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
-from dapo_ops._validate import check_option
-from dapo_ops.surrogate import LOG_RATIO_CLAMP, token_terms
+from dapo_ops._rules import LOG_RATIO_CLAMP, masked
+from dapo_ops._validate import InputError, check_option
+from dapo_ops.objectives.base import check_field, check_number
 
 KLEstimator = Literal["k1", "k2", "k3"]
+KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
+
+
+@dataclasses.dataclass(frozen=True)
+class KLPenalty:
+    r"""``beta`` times a per-token estimate of :math:`KL(\pi_\theta\,\|\,\pi_{ref})`.
+
+    With :math:`\delta = \log\pi_\theta - \log\pi_{ref}` clamped to ``+-log_ratio_clamp``:
+    ``k1`` = :math:`\delta` (unbiased, can be negative); ``k2`` = :math:`\delta^2/2`
+    (>= 0, biased, low variance); ``k3`` = :math:`e^{-\delta} + \delta - 1` (>= 0,
+    unbiased, low variance: GRPO's and verl's ``low_var_kl``). All are 0 where
+    ``logp == ref_logp``. ``clamp`` bounds the estimate to ``[-clamp, clamp]`` (its
+    gradient is 0 where it acts): verl's ``low_var_kl`` clamps to ``[-10, 10]``
+    (``clamp=10.0`` reproduces it); ours does not by default, since k3 >= 0 grows only
+    linearly in ``delta`` and ``log_ratio_clamp`` already keeps it finite.
+
+    Pass it as ``policy_loss(..., ref_logp=ref, kl=KLPenalty(beta=0.04))``.
+    Defaults: ``beta=0.04, estimator="k3"`` from GRPO (DeepSeekMath; TRL's ``beta``,
+    verl's ``kl_loss_coef`` and ``kl_loss_type="low_var_kl"``). DAPO uses no KL term.
+
+    Example:
+        >>> KLPenalty(beta=0.04)
+        KLPenalty(beta=0.04, estimator='k3', clamp=None, log_ratio_clamp=20.0)
+    """
+
+    beta: float = 0.04
+    estimator: KLEstimator = "k3"
+    clamp: float | None = None
+    log_ratio_clamp: float = LOG_RATIO_CLAMP
+
+    def __post_init__(self) -> None:
+        beta = check_number(self, "beta")
+        check_field(self, "beta", 0.0 < beta < math.inf, "must be finite and > 0")
+        check_option("KLPenalty.estimator", self.estimator, KL_ESTIMATORS)
+        if self.clamp is not None:
+            clamp = check_number(self, "clamp")
+            check_field(self, "clamp", 0.0 < clamp < math.inf, "must be finite and > 0 (or None)")
+        c = check_number(self, "log_ratio_clamp")
+        check_field(self, "log_ratio_clamp", 0.0 < c < math.inf, "must be finite and > 0")
+
+    def estimate(self, delta: Tensor) -> Tensor:
+        """The per-token estimate (before ``beta``) of the clamped log-ratio ``delta``."""
+        if self.estimator == "k1":
+            kl = delta
+        elif self.estimator == "k2":
+            kl = 0.5 * delta * delta
+        else:
+            kl = torch.expm1(-delta) + delta
+        return kl if self.clamp is None else kl.clamp(-self.clamp, self.clamp)
+
+    def grad(self, raw: Tensor, delta: Tensor, weight: Tensor) -> Tensor:
+        """``weight * beta * d estimate / d logp`` from the raw and the clamped log-ratio."""
+        if self.estimator == "k1":
+            slope = torch.ones_like(delta)
+        elif self.estimator == "k2":
+            slope = delta
+        else:
+            slope = -torch.expm1(-delta)
+        keep = raw == delta
+        if self.clamp is not None:
+            kl = self.estimate(delta)
+            keep = keep & (kl.abs() <= self.clamp)
+        return torch.where(keep, (weight * self.beta) * slope, 0.0)
 
 
 def kl_penalty(
@@ -21,19 +87,15 @@ def kl_penalty(
     *,
     estimator: KLEstimator = "k3",
     log_ratio_clamp: float = LOG_RATIO_CLAMP,
+    clamp: float | None = None,
 ) -> Float[Tensor, "batch seq"]:
-    r"""Per-token estimate of :math:`KL(\pi_\theta \,\|\, \pi_{ref})` on tokens sampled from the policy.
+    r"""Per-token estimate of :math:`KL(\pi_\theta \,\|\, \pi_{ref})` on sampled tokens.
 
-    With :math:`\delta = \log\pi_\theta - \log\pi_{ref}` (clamped to ``+-log_ratio_clamp``):
-
-    - ``k1`` = :math:`\delta` (unbiased, can be negative);
-    - ``k2`` = :math:`\delta^2 / 2` (>= 0, low variance, biased);
-    - ``k3`` = :math:`e^{-\delta} + \delta - 1` (>= 0, unbiased, low variance; GRPO's
-      "low-variance KL": ``pi_ref/pi - log(pi_ref/pi) - 1``).
-
-    All three are exactly 0 where ``logp == ref_logp``. Add ``beta * kl`` to the per-token
-    loss (``token_level_loss(..., ref_logp=..., kl_beta=beta)`` does it). DAPO and
-    Dr. GRPO use ``beta = 0``: then no reference forward pass is needed at all.
+    :meth:`KLPenalty.estimate` (``k1``, ``k2`` or ``k3``; see :class:`KLPenalty`) of
+    :math:`\delta = \log\pi_\theta - \log\pi_{ref}` clamped to ``+-log_ratio_clamp``,
+    optionally clamped to ``[-clamp, clamp]`` (verl's ``low_var_kl``: ``clamp=10``).
+    Differentiable in ``logp``. ``policy_loss(..., kl=KLPenalty(beta))`` adds ``beta``
+    times it to the per-token loss.
 
     Shapes: ``[batch, seq]`` inputs; returns ``[batch, seq]``, 0 at masked positions.
 
@@ -43,19 +105,13 @@ def kl_penalty(
         >>> kl_penalty(torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.0, -1.0]]))
         tensor([[0.0000, 0.7183]])
     """
-    check_option("estimator", estimator, ("k1", "k2", "k3"))
-    valid, delta, _, _ = token_terms(
-        logp,
-        ref_logp,
-        None,
-        mask,
-        log_ratio_clamp=log_ratio_clamp,
-        names=("logp", "ref_logp"),
-    )
-    if estimator == "k1":
-        kl = delta
-    elif estimator == "k2":
-        kl = 0.5 * delta * delta
-    else:
-        kl = torch.expm1(-delta) + delta
-    return torch.where(valid, kl, torch.zeros_like(kl))
+    from dapo_ops._engine import policy_tensors  # the engine imports this module
+
+    check_option("estimator", estimator, KL_ESTIMATORS)
+    if not (isinstance(log_ratio_clamp, (int, float)) and 0 < log_ratio_clamp < math.inf):
+        raise InputError(f"log_ratio_clamp must be finite and > 0, got {log_ratio_clamp!r}")
+    penalty = KLPenalty(1.0, estimator, clamp, log_ratio_clamp)
+    _, valid, dtype = policy_tensors(logp, ref_logp, None, mask, names=("logp", "ref_logp"))
+    delta = masked(valid, logp.to(dtype) - ref_logp.to(dtype))
+    kl = penalty.estimate(delta.clamp(-log_ratio_clamp, log_ratio_clamp))
+    return masked(valid, kl)

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Literal, overload
+from typing import Any, Literal, overload
 
-import torch
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
-from dapo_ops._fused import fused_token_level_loss
-from dapo_ops._validate import InputError, as_bool_mask, check_float, check_same_shape
-from dapo_ops.aggregation import AggregationMode, token_level_aggregate
-from dapo_ops.diagnostics import PolicyDiagnostics, policy_diagnostics
-from dapo_ops.kl import KLEstimator, kl_penalty
-from dapo_ops.surrogate import LOG_RATIO_CLAMP, clip_higher_surrogate
-
-Normalizer = Float[Tensor, ""] | Integer[Tensor, ""] | int | float | Literal["local"] | None
+from dapo_ops._rules import LOG_RATIO_CLAMP, AggregationMode, Normalizer
+from dapo_ops._validate import InputError, check_option
+from dapo_ops.diagnostics import PolicyDiagnostics
+from dapo_ops.kl import KL_ESTIMATORS, KLEstimator, KLPenalty
+from dapo_ops.objectives import ClipHigher
+from dapo_ops.policy import policy_loss, policy_loss_with_diagnostics
 
 
 @overload
@@ -91,24 +88,29 @@ def token_level_loss(
         \mathcal{L} = \frac{1}{N}\sum_{i,t} m_{i,t}\,\big(-\min(r_{i,t}A_{i,t},\;
             \mathrm{clip}(r_{i,t}, 1-\varepsilon_{low}, 1+\varepsilon_{high})A_{i,t})\big)
 
-    i.e. :func:`clip_higher_surrogate` then :func:`token_level_aggregate`; ``N`` is the
+    i.e. ``policy_loss(ClipHigher(eps_low, eps_high, dual_clip), ...)``: the same value and
+    gradient, bit for bit, as :func:`clip_higher_surrogate` then :func:`token_level_aggregate`
+    would give (the gradient; the value up to the order of its sums). ``N`` is the
     number of valid tokens (``mode="token_mean"``), or ``normalizer`` when given (the
     global count over micro-batches and ranks, from :func:`global_normalizer`). DAPO has
     no KL term (``kl_beta=0``, the default), so no reference log-probs are needed.
 
     Options for the objectives DAPO is compared with: ``kl_beta > 0`` adds
     ``kl_beta * kl_penalty(logp, ref_logp, estimator=kl_estimator)`` per token (GRPO:
-    ``kl_beta=0.04``, k3); ``is_weights`` (e.g. :func:`truncated_is_weights`) multiplies
-    the per-token surrogate to correct a rollout-engine mismatch; ``dual_clip`` bounds
-    negative-advantage tokens (verl's default ``clip_ratio_c=3``).
+    ``kl_beta=0.04``, k3; ``ref_logp`` without ``kl_beta > 0`` is refused, as it would be
+    ignored); ``is_weights`` (e.g. :func:`truncated_is_weights`) multiplies the per-token
+    surrogate to correct a rollout-engine mismatch; ``dual_clip`` bounds negative-advantage
+    tokens (verl's default ``clip_ratio_c=3``). ``old_logp``, ``advantages``, ``ref_logp``
+    and ``is_weights`` must not require grad (the commonest mistake,
+    ``token_level_loss(logp, logp, ...)``, is refused with the ``.detach()`` hint).
 
     Shapes: logp, old_logp, mask ``[batch, seq]``; advantages ``[batch]``,
     ``[batch, 1]`` or ``[batch, seq]``. Returns a 0-dim float32 tensor (float64 for
     float64 input); the gradient reaches ``logp`` in its own dtype. Masked positions never
     touch the loss or the gradient, NaN included; an all-masked batch gives 0.
 
-    Speed: without KL and IS weights (DAPO, Dr. GRPO) the loss and its gradient come
-    from one fused pass with an analytic backward (the same value, the same gradient).
+    Speed: the loss and its gradient come from one fused pass with an analytic backward
+    (the same value, the same gradient), with or without KL and IS weights.
     ``compiled=True`` runs that pass through ``torch.compile`` (inductor: one kernel for
     the loss and the gradient): the first call in a process compiles it (seconds; one
     more compile at the first new shape, then dynamic shapes), later calls reuse it. It
@@ -131,56 +133,35 @@ def token_level_loss(
         >>> loss = token_level_loss(logp, logp.detach(), torch.randn(4), mask)
         >>> loss.backward()
     """
+    if isinstance(kl_beta, bool) or not isinstance(kl_beta, (int, float)):
+        raise InputError(f"kl_beta must be a number, got {kl_beta!r}")
     if not (kl_beta >= 0 and kl_beta < float("inf")):
         raise InputError(f"kl_beta must be finite and >= 0, got {kl_beta}")
+    check_option("kl_estimator", kl_estimator, KL_ESTIMATORS)
     if kl_beta > 0 and ref_logp is None:
         raise InputError(f"kl_beta={kl_beta} needs ref_logp (the reference policy's log-probs)")
-    clip_opts = {
-        "eps_low": eps_low,
-        "eps_high": eps_high,
-        "dual_clip": dual_clip,
-        "log_ratio_clamp": log_ratio_clamp,
-    }
-    if not isinstance(compiled, bool):
-        raise InputError(f"compiled must be True or False, got {compiled!r}")
-    if compiled and (kl_beta > 0 or is_weights is not None):
+    if kl_beta == 0 and ref_logp is not None:
         raise InputError(
-            "compiled=True covers the fused path only (kl_beta=0, is_weights=None); "
-            f"got kl_beta={kl_beta}, is_weights={'set' if is_weights is not None else None}"
+            "ref_logp is given but kl_beta=0, so it would be ignored: set kl_beta > 0 for a "
+            "KL penalty, or drop ref_logp"
         )
-    if kl_beta == 0 and is_weights is None:
-        # DAPO's path: one fused pass with an analytic backward (dapo_ops._fused), the
-        # same value and gradient as the composition below; on CPU 2-4x faster from 64x4096
-        # up (1x at 16x1024) and 1/4-1/50 the extra memory (docs/benchmarks.md)
-        loss = fused_token_level_loss(
-            logp,
-            old_logp,
-            advantages,
-            mask,
-            mode=mode,
-            normalizer=normalizer,
-            max_len=max_len,
-            compiled=compiled,
-            **clip_opts,  # type: ignore[arg-type]
-        )
-    else:
-        per_token = clip_higher_surrogate(logp, old_logp, advantages, mask, **clip_opts)  # type: ignore[arg-type]
-        if is_weights is not None:
-            check_float("is_weights", is_weights)
-            check_same_shape("is_weights", is_weights, "logp", logp)
-            valid = as_bool_mask("mask", mask, "logp", logp)
-            weights = torch.where(
-                valid, is_weights.to(per_token.dtype), torch.zeros_like(per_token)
-            )
-            per_token = per_token * weights.detach()
-        if kl_beta > 0 and ref_logp is not None:
-            kl = kl_penalty(
-                logp, ref_logp, mask, estimator=kl_estimator, log_ratio_clamp=log_ratio_clamp
-            )
-            per_token = per_token + kl_beta * kl
-        loss = token_level_aggregate(
-            per_token, mask, mode=mode, normalizer=normalizer, max_len=max_len
-        )
-    if not return_diagnostics:
-        return loss
-    return loss, policy_diagnostics(logp, old_logp, advantages, mask, **clip_opts)  # type: ignore[arg-type]
+    objective = ClipHigher(
+        eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, log_ratio_clamp=log_ratio_clamp
+    )
+    kl = (
+        KLPenalty(beta=kl_beta, estimator=kl_estimator, log_ratio_clamp=log_ratio_clamp)
+        if kl_beta > 0
+        else None
+    )
+    options: dict[str, Any] = {
+        "mode": mode,
+        "normalizer": normalizer,
+        "max_len": max_len,
+        "ref_logp": ref_logp,
+        "kl": kl,
+        "is_weights": is_weights,
+        "compiled": compiled,
+    }
+    if return_diagnostics:
+        return policy_loss_with_diagnostics(objective, logp, old_logp, advantages, mask, **options)
+    return policy_loss(objective, logp, old_logp, advantages, mask, **options)

@@ -1,12 +1,17 @@
-"""Objective presets: DAPO and the objectives users run it against, as frozen configs.
+"""Recipes: DAPO and the methods users run it against, as frozen values.
 
-A preset is plain data plus two methods that call the library's functions with it; a
-user switches objective by switching preset (or derives one with :meth:`replace`).
+A preset is a whole recipe: an objective value (:class:`ClipHigher`, :class:`GSPO`,
+:class:`CISPO`), how advantages are computed, how the loss is aggregated, the optional KL
+penalty, and which batch-level techniques (overlong shaping or filtering, dynamic
+sampling) the host loop runs. Switch recipe by switching preset, derive one with
+:meth:`ObjectivePreset.replace` (validated again), look one up by name in
+:data:`PRESETS`. The objective is a value, so a typo cannot select another objective.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Literal
@@ -14,50 +19,74 @@ from typing import Literal
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
-from dapo_ops._validate import InputError
+from dapo_ops._rules import AGGREGATION_MODES, AggregationMode, Normalizer
+from dapo_ops._validate import InputError, check_option
 from dapo_ops.advantages import group_advantages
-from dapo_ops.aggregation import AggregationMode, token_level_aggregate
-from dapo_ops.cispo import cispo_surrogate
-from dapo_ops.gspo import gspo_surrogate
-from dapo_ops.kl import KLEstimator, kl_penalty
-from dapo_ops.loss import token_level_loss
-from dapo_ops.surrogate import clip_higher_surrogate
+from dapo_ops.kl import KLPenalty
+from dapo_ops.objectives import CISPO as CISPOObjective
+from dapo_ops.objectives import GSPO as GSPOObjective
+from dapo_ops.objectives import ClipHigher, Objective
+from dapo_ops.policy import policy_loss
 
-Surrogate = Literal["ppo", "gspo", "cispo"]
+__all__ = ["CISPO", "DAPO", "DR_GRPO", "GRPO", "GSPO", "PRESETS", "ObjectivePreset"]
 
 
 @dataclasses.dataclass(frozen=True)
 class ObjectivePreset:
-    """Every knob that differs between DAPO, GRPO, Dr. GRPO, GSPO and CISPO.
+    """Every choice that differs between DAPO, GRPO, Dr. GRPO, GSPO and CISPO.
 
-    ``surrogate``: ``"ppo"`` (:func:`clip_higher_surrogate`), ``"gspo"``
-    (:func:`gspo_surrogate`) or ``"cispo"`` (:func:`cispo_surrogate` with
-    ``floor = 1 - eps_low`` and ``cap = 1 + eps_high``). ``overlong_penalty``,
-    ``overlong_filter`` and ``dynamic_sampling`` tell the host loop which of
-    :func:`overlong_reward`, :func:`overlong_filter` and :func:`dynamic_sample_mask` to
-    run. ``verl`` and ``trl`` give the matching option names of those trainers.
+    ``objective``: the loss (an :class:`~dapo_ops.objectives.Objective` value);
+    ``mode``: the aggregation; ``advantage_*``: :func:`group_advantages`' options;
+    ``kl``: a :class:`KLPenalty` or None. ``overlong_penalty``, ``overlong_filter`` and
+    ``dynamic_sampling`` tell the host loop which of :func:`overlong_reward`,
+    :func:`overlong_filter` and :func:`dynamic_sample_mask` to run. ``verl`` and ``trl``
+    give the matching option names of those trainers (read-only; each preset holds its
+    own copy). Every field is validated at construction and by :meth:`replace`.
     """
 
     name: str
     paper: str
-    surrogate: Surrogate
-    eps_low: float
-    eps_high: float
+    objective: Objective
     mode: AggregationMode
     advantage_scale: Literal["group", "batch", "none"]
-    dual_clip: float | None = None
     advantage_baseline: Literal["mean", "leave_one_out"] = "mean"
     advantage_eps: float = 0.0
-    kl_beta: float = 0.0
-    kl_estimator: KLEstimator = "k3"
+    kl: KLPenalty | None = None
     overlong_penalty: bool = False
     overlong_filter: bool = False
     dynamic_sampling: bool = False
     verl: Mapping[str, object] = dataclasses.field(default_factory=dict, compare=False, hash=False)
     trl: Mapping[str, object] = dataclasses.field(default_factory=dict, compare=False, hash=False)
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.objective, Objective):
+            raise InputError(
+                "ObjectivePreset.objective must be an objective value such as ClipHigher(), "
+                f"GSPO() or CISPO(); got {self.objective!r}"
+            )
+        check_option("ObjectivePreset.mode", self.mode, AGGREGATION_MODES)
+        check_option(
+            "ObjectivePreset.advantage_scale", self.advantage_scale, ("group", "batch", "none")
+        )
+        check_option(
+            "ObjectivePreset.advantage_baseline", self.advantage_baseline, ("mean", "leave_one_out")
+        )
+        eps = self.advantage_eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
+            raise InputError(f"ObjectivePreset.advantage_eps must be finite and >= 0, got {eps!r}")
+        if self.kl is not None and not isinstance(self.kl, KLPenalty):
+            raise InputError(f"ObjectivePreset.kl must be a KLPenalty or None, got {self.kl!r}")
+        for flag in ("overlong_penalty", "overlong_filter", "dynamic_sampling"):
+            if not isinstance(getattr(self, flag), bool):
+                raise InputError(
+                    f"ObjectivePreset.{flag} must be a bool, got {getattr(self, flag)!r}"
+                )
+        for peer in ("verl", "trl"):  # read-only copies: never shared with a derived preset
+            object.__setattr__(self, peer, MappingProxyType(dict(getattr(self, peer))))
+
     def replace(self, **changes: object) -> ObjectivePreset:
-        """A copy with some fields changed, e.g. ``DAPO.replace(dual_clip=3.0)``."""
+        """A validated copy with some fields changed, e.g.
+        ``DAPO.replace(objective=ClipHigher(dual_clip=3.0))``."""
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
     def advantages(
@@ -74,47 +103,6 @@ class ObjectivePreset:
             eps=self.advantage_eps,
         )
 
-    def per_token_loss(
-        self,
-        logp: Float[Tensor, "batch seq"],
-        old_logp: Float[Tensor, "batch seq"],
-        advantages: Float[Tensor, " batch"] | Float[Tensor, "batch 1"] | Float[Tensor, "batch seq"],
-        mask: Bool[Tensor, "batch seq"] | Integer[Tensor, "batch seq"],
-        *,
-        ref_logp: Float[Tensor, "batch seq"] | None = None,
-    ) -> Float[Tensor, "batch seq"]:
-        """The preset's surrogate plus ``kl_beta`` times its KL penalty, per token."""
-        if self.surrogate == "gspo":
-            loss = gspo_surrogate(
-                logp, old_logp, advantages, mask, eps_low=self.eps_low, eps_high=self.eps_high
-            )
-        elif self.surrogate == "cispo":
-            loss = cispo_surrogate(
-                logp,
-                old_logp,
-                advantages,
-                mask,
-                floor=max(0.0, 1.0 - self.eps_low),
-                cap=1.0 + self.eps_high,
-            )
-        else:
-            loss = clip_higher_surrogate(
-                logp,
-                old_logp,
-                advantages,
-                mask,
-                eps_low=self.eps_low,
-                eps_high=self.eps_high,
-                dual_clip=self.dual_clip,
-            )
-        if self.kl_beta > 0:
-            if ref_logp is None:
-                raise InputError(f"preset {self.name!r} has kl_beta={self.kl_beta}: pass ref_logp")
-            loss = loss + self.kl_beta * kl_penalty(
-                logp, ref_logp, mask, estimator=self.kl_estimator
-            )
-        return loss
-
     def loss(
         self,
         logp: Float[Tensor, "batch seq"],
@@ -123,44 +111,33 @@ class ObjectivePreset:
         mask: Bool[Tensor, "batch seq"] | Integer[Tensor, "batch seq"],
         *,
         ref_logp: Float[Tensor, "batch seq"] | None = None,
-        normalizer: Float[Tensor, ""] | Integer[Tensor, ""] | int | float | None = None,
+        normalizer: Normalizer = None,
         max_len: int | None = None,
     ) -> Float[Tensor, ""]:
-        """:meth:`per_token_loss` aggregated with the preset's mode (scalar, float32).
+        """:func:`policy_loss` with this preset's objective, KL penalty and mode.
 
-        PPO-style presets go through :func:`token_level_loss`, so they get its fused fast
-        path whenever ``kl_beta == 0`` (DAPO, Dr. GRPO); GSPO and CISPO compose.
+        ``ref_logp`` is needed exactly when the preset has a KL penalty.
         """
-        if self.surrogate == "ppo":
-            if self.kl_beta > 0 and ref_logp is None:
-                raise InputError(f"preset {self.name!r} has kl_beta={self.kl_beta}: pass ref_logp")
-            return token_level_loss(
-                logp,
-                old_logp,
-                advantages,
-                mask,
-                eps_low=self.eps_low,
-                eps_high=self.eps_high,
-                dual_clip=self.dual_clip,
-                mode=self.mode,
-                normalizer=normalizer,
-                max_len=max_len,
-                ref_logp=ref_logp if self.kl_beta > 0 else None,
-                kl_beta=self.kl_beta,
-                kl_estimator=self.kl_estimator,
-            )
-        per_token = self.per_token_loss(logp, old_logp, advantages, mask, ref_logp=ref_logp)
-        return token_level_aggregate(
-            per_token, mask, mode=self.mode, normalizer=normalizer, max_len=max_len
+        if self.kl is not None and ref_logp is None:
+            raise InputError(f"preset {self.name!r} has a KL penalty ({self.kl}): pass ref_logp")
+        return policy_loss(
+            self.objective,
+            logp,
+            old_logp,
+            advantages,
+            mask,
+            mode=self.mode,
+            normalizer=normalizer,
+            max_len=max_len,
+            ref_logp=ref_logp,
+            kl=self.kl,
         )
 
 
 DAPO = ObjectivePreset(
     name="dapo",
     paper="Yu et al. 2025, DAPO: An Open-Source LLM Reinforcement Learning System at Scale",
-    surrogate="ppo",
-    eps_low=0.2,
-    eps_high=0.28,
+    objective=ClipHigher(eps_low=0.2, eps_high=0.28),
     mode="token_mean",
     advantage_scale="group",
     overlong_penalty=True,
@@ -179,13 +156,10 @@ DAPO = ObjectivePreset(
 GRPO = ObjectivePreset(
     name="grpo",
     paper="Shao et al. 2024, DeepSeekMath (GRPO)",
-    surrogate="ppo",
-    eps_low=0.2,
-    eps_high=0.2,
+    objective=ClipHigher(eps_low=0.2, eps_high=0.2),
     mode="seq_mean_token_mean",
     advantage_scale="group",
-    kl_beta=0.04,
-    kl_estimator="k3",
+    kl=KLPenalty(beta=0.04, estimator="k3"),
     verl={
         "clip_ratio": 0.2,
         "loss_agg_mode": "seq-mean-token-mean",
@@ -199,9 +173,7 @@ GRPO = ObjectivePreset(
 DR_GRPO = ObjectivePreset(
     name="dr_grpo",
     paper="Liu et al. 2025, Understanding R1-Zero-Like Training (Dr. GRPO)",
-    surrogate="ppo",
-    eps_low=0.2,
-    eps_high=0.2,
+    objective=ClipHigher(eps_low=0.2, eps_high=0.2),
     mode="seq_mean_token_sum_norm",
     advantage_scale="none",
     verl={
@@ -215,9 +187,7 @@ DR_GRPO = ObjectivePreset(
 GSPO = ObjectivePreset(
     name="gspo",
     paper="Zheng et al. 2025, Group Sequence Policy Optimization",
-    surrogate="gspo",
-    eps_low=3e-4,
-    eps_high=4e-4,
+    objective=GSPOObjective(eps_low=3e-4, eps_high=4e-4),
     mode="seq_mean_token_mean",
     advantage_scale="group",
     verl={
@@ -232,15 +202,14 @@ GSPO = ObjectivePreset(
 CISPO = ObjectivePreset(
     name="cispo",
     paper="MiniMax 2025, MiniMax-M1 (CISPO)",
-    surrogate="cispo",
-    eps_low=1.0,
-    eps_high=0.28,
+    objective=CISPOObjective(eps_low=1.0, eps_high=0.28),
     mode="token_mean",
     advantage_scale="group",
     verl={"policy_loss.loss_mode": "cispo", "loss_agg_mode": "token-mean"},
     trl={"loss_type": "cispo"},
 )
 
+#: The presets by name (read-only).
 PRESETS: Mapping[str, ObjectivePreset] = MappingProxyType(
     {p.name: p for p in (DAPO, GRPO, DR_GRPO, GSPO, CISPO)}
 )

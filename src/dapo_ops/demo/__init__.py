@@ -26,7 +26,7 @@ answers, and a ``0`` lengthens an answer without changing its sum (padding, the 
 version of a rambling chain of thought), so length is part of what the policy learns.
 
 The two objectives are the library's presets (:class:`~dapo_ops.ObjectivePreset`):
-:data:`~dapo_ops.DAPO`, and :data:`~dapo_ops.GRPO` without its KL term
+:data:`~dapo_ops.presets.DAPO`, and :data:`~dapo_ops.presets.GRPO` without its KL term
 (:data:`GRPO_BASELINE`: symmetric clip 0.2 / 0.2, ``mode="seq_mean_token_mean"``, no dynamic
 sampling, no overlong shaping, no KL, so no reference model). Both runs start from the same
 weights (same seed), train on the same batch shape (``prompts_per_step`` groups of ``G``

@@ -14,8 +14,6 @@ import torch
 from torch import Tensor, nn
 
 from dapo_ops import (
-    DAPO,
-    GRPO,
     ObjectivePreset,
     PolicyDiagnostics,
     dynamic_sample_mask,
@@ -23,14 +21,16 @@ from dapo_ops import (
     kept_group_fraction,
     overlong_filter,
     overlong_reward,
+    policy_loss_with_diagnostics,
     prompts_to_generate,
-    token_level_loss,
 )
 from dapo_ops.demo.task import Rollout, Task, TinyPolicy, answer_logp, generate
+from dapo_ops.objectives import ClipHigher
+from dapo_ops.presets import DAPO, GRPO
 
 #: The baseline: GRPO's clip and aggregation, without its KL term (DAPO has none either),
 #: so that the two runs differ only by DAPO's four changes.
-GRPO_BASELINE = GRPO.replace(kl_beta=0.0)
+GRPO_BASELINE = GRPO.replace(kl=None)
 
 
 def dapo_preset(
@@ -41,9 +41,11 @@ def dapo_preset(
     overlong: bool = True,
     overlong_filtering: bool = False,
 ) -> ObjectivePreset:
-    """The :data:`dapo_ops.DAPO` preset, with any of its components switched off."""
+    """The :data:`dapo_ops.presets.DAPO` preset, with any of its components switched off."""
+    clip = DAPO.objective
+    assert isinstance(clip, ClipHigher)
     return DAPO.replace(
-        eps_high=DAPO.eps_high if clip_higher else DAPO.eps_low,
+        objective=clip if clip_higher else clip.replace(eps_high=clip.eps_low),
         mode=DAPO.mode if token_level else GRPO.mode,
         dynamic_sampling=dynamic_sampling,
         overlong_penalty=overlong,
@@ -186,19 +188,16 @@ def ppo_update(
             normalizer = global_normalizer([loss_mask[idx] for idx in micro], mode=preset.mode)
             for idx in micro:
                 logp = answer_logp(policy, batch[idx], cfg.temperature)
-                loss, diag = token_level_loss(
+                loss, diag = policy_loss_with_diagnostics(
+                    preset.objective,
                     logp,
                     batch.old_logp[idx],
                     advantages[idx],
                     loss_mask[idx],
-                    eps_low=preset.eps_low,
-                    eps_high=preset.eps_high,
                     mode=preset.mode,
-                    dual_clip=preset.dual_clip,
                     normalizer=normalizer,
-                    return_diagnostics=True,
                 )
-                # = preset.loss(...) for these presets, plus the clip/ratio diagnostics
+                # = preset.loss(...) (no KL here), plus the clip/ratio diagnostics
                 loss.backward()  # type: ignore[no-untyped-call]
                 total = diag if total is None else total + diag
             nn.utils.clip_grad_norm_(policy.parameters(), 1.0)

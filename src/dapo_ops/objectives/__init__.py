@@ -1,0 +1,16 @@
+"""Policy objectives as frozen values, composed by :func:`dapo_ops.policy_loss`.
+
+Each objective is one small frozen dataclass (one file) with validated fields and one
+definition of its per-token math (:class:`Objective`). ``OBJECTIVES`` lists the ones
+the library ships; the conformance tests run over every entry.
+"""
+
+from dapo_ops.objectives.base import Clipped, Objective, TokenInputs
+from dapo_ops.objectives.cispo import CISPO
+from dapo_ops.objectives.clip_higher import ClipHigher
+from dapo_ops.objectives.gspo import GSPO
+
+#: Every objective class the library exports (the conformance suite's list).
+OBJECTIVES: tuple[type[Objective], ...] = (ClipHigher, GSPO, CISPO)
+
+__all__ = ["CISPO", "GSPO", "OBJECTIVES", "ClipHigher", "Clipped", "Objective", "TokenInputs"]

@@ -1,0 +1,194 @@
+"""ClipHigher's eager CPU kernel: float-only ops on cache-sized row blocks.
+
+Private; :meth:`ClipHigher.cpu_terms` hands it to the engine (:mod:`dapo_ops._engine`),
+which calls it for eager CPU work instead of the ``where``-based generic body (CPU
+``where`` and bool-valued kernels cost 5-50x a float multiply there). It computes, for
+each block of rows, exactly what the generic body computes from
+:meth:`ClipHigher.term` and :meth:`ClipHigher.grad`:
+
+.. math::
+
+    \\ell = -A\\,\\mathrm{clamp}(r, lo_A, hi_A), \\qquad
+    \\frac{\\partial \\textstyle\\sum_i w_i \\sum_t m\\,\\ell}{\\partial \\log\\pi}
+        = (w\\,(-A))\\,r\\,[lo_A \\le r \\le hi_A]\\,[|\\log r| \\le C]\\,m
+
+Masked positions are removed by multiplying *finite* values by 0, which is exact. So
+every factor must be finite at masked positions: a block whose log-ratio holds a NaN at
+a masked position (garbage, or ``-inf - -inf``) has it replaced by 0 first, and masked
+advantages that are not finite are replaced by 0 before any block runs. The result is
+then bitwise the one for clean inputs. Only non-finite or overflowing *valid* inputs
+send a block (or the call) to the generic body.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from dapo_ops.objectives.clip_higher import ClipHigher
+
+#: Stands in for an infinite bound in the float-only path (its ratios are at most e^60).
+_BIG = 1e30
+
+#: The generic body on a block: (logp, old_logp, adv, valid, scale, with_grad) -> terms.
+Exact = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, bool], tuple[Tensor, Tensor | None]]
+
+
+def _token_bounds(neg_adv: Tensor, bufs: list[Tensor], lo: float, cap: float, hi: float) -> None:
+    """Per-token ``lo_A``/``hi_A`` into ``bufs[1]``/``bufs[2]`` with float ops (no ``where``).
+
+    ``s = [A < 0]`` in {0, 1}; ``lo_A = (s - 1) BIG + lo s`` and ``hi_A = cap s + hi (1 - s)``:
+    each is one exact term plus an exact zero, so the bounds are the rounded constants.
+    """
+    s, lo_a, hi_a = bufs[0], bufs[1], bufs[2]
+    torch.gt(neg_adv, 0.0, out=s)
+    torch.sub(s, 1.0, out=lo_a)  # s - 1
+    torch.mul(s, cap, out=hi_a).sub_(lo_a, alpha=hi)
+    lo_a.mul_(_BIG).add_(s, alpha=lo)
+
+
+def _fast_path_ok(adv: Tensor, scale: Tensor, w_neg_adv: Tensor | None, clamp: float) -> bool:
+    """May the float-only path run? Finite weights, no product overflow.
+
+    Every factor multiplied by a 0 mask must be finite: the ratio (``exp`` of a log-ratio
+    within ``+-clamp <= 60``), ``-A`` and ``w * -A``. Per-row advantages: ``w * -A`` finite
+    implies ``-A`` finite unless ``w == 0``, when ``0 * inf`` is NaN and fails the check
+    too. Per-token: the largest ``|A| * |w| * e^clamp`` must stay far below the float range.
+    """
+    if clamp > 60.0:
+        return False
+    if w_neg_adv is not None:
+        return math.isfinite(float(w_neg_adv.sum()))
+    biggest = float(adv.abs().amax()) if adv.numel() else 0.0
+    biggest *= max(float(scale.abs().amax()), 1.0)
+    return biggest * math.exp(clamp) < _BIG * 1e-3
+
+
+def _masked_advantages(adv: Tensor, valid: Tensor) -> Tensor:
+    """Advantages with 0 wherever they touch no valid token (rows with none, per row)."""
+    live = valid.any(dim=-1, keepdim=True) if adv.shape[-1] == 1 else valid
+    return torch.where(live, adv, 0.0)
+
+
+def cpu_terms(
+    objective: ClipHigher,
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    valid: Tensor,
+    scale: Tensor,
+    with_grad: bool,
+    rows: int,
+    exact: Exact,
+) -> tuple[Tensor, Tensor | None]:
+    """Row sums ``[b]`` and ``d(sum_i w_i rowsum_i)/d logp`` ``[b, s]`` (or None).
+
+    Per block, about ten passes over cache-resident memory, working inside the block's
+    slice of the gradient and two scratch buffers: the log-ratio ``d``, one ``aminmax``
+    of it (the only host read: is any ``d`` NaN, is the clamp active), ``r = exp(d)``,
+    ``q = min(max(r, lo_A), hi_A)``, ``q m`` with the mask ``m`` as floats, its row sums
+    (times ``-A``: the loss), then the gradient ``r [q m == r] (w * -A)``: ``r > 0``, so
+    ``q m == r`` holds exactly where the token is valid and unclipped. The loss row sum
+    ``(-A) sum_t q m`` differs from the generic ``sum_t (-A q) m`` by rounding only; the
+    gradient is bitwise the generic one.
+    """
+    batch, seq = logp.shape
+    dtype = scale.dtype
+    row_sums = torch.empty((batch,), dtype=dtype)
+    grad = torch.empty((batch, seq), dtype=dtype) if with_grad else None
+    clamp = objective.log_ratio_clamp
+    adv = advantages if advantages.dtype == dtype else advantages.to(dtype)
+    per_row = adv.shape[-1] == 1
+
+    def row_terms_of(a: Tensor) -> tuple[Tensor, ...] | None:
+        # per-row advantages: -A, the bounds and w * -A, [b, 1] each, computed once
+        if not per_row:
+            return None
+        lo_all, hi_all = objective.bounds(a)
+        return (a.neg(), lo_all, hi_all, scale * a.neg())
+
+    row_terms = row_terms_of(adv)
+    fast = _fast_path_ok(adv, scale, row_terms[3] if row_terms else None, clamp)
+    if not fast and clamp <= 60.0:  # maybe only masked advantages are not finite
+        adv = _masked_advantages(adv, valid)
+        row_terms = row_terms_of(adv)
+        fast = _fast_path_ok(adv, scale, row_terms[3] if row_terms else None, clamp)
+    lo, hi = 1.0 - objective.eps_low, 1.0 + objective.eps_high
+    cap = _BIG if objective.dual_clip is None else objective.dual_clip
+    same_dtype = logp.dtype == old_logp.dtype == dtype
+    valid_u8 = valid.view(torch.uint8)
+    per_row_scale = scale.ndim > 0
+    # q, the mask as floats, r when there is no gradient buffer to work in, per-token terms
+    n_bufs = 2 + (not with_grad) + (0 if per_row else 4)
+    bufs = [torch.empty((rows, seq), dtype=dtype) for _ in range(n_bufs)] if fast else []
+    one_block = rows >= batch
+
+    for start in range(0, batch, rows):
+        sl = slice(start, min(start + rows, batch))
+        lp_b, old_b = (logp, old_logp) if one_block else (logp[sl], old_logp[sl])
+        valid_b = valid if one_block else valid[sl]
+        block_fast = fast
+        if fast:
+            n = sl.stop - start
+            views = bufs if n == rows else [b.view(-1)[: n * seq].view(n, seq) for b in bufs]
+            q, vf = views[0], views[1]
+            r = views[2] if grad is None else (grad if one_block else grad[sl])
+            if same_dtype:
+                torch.sub(lp_b, old_b, out=r)
+            else:
+                r.copy_(lp_b).sub_(old_b)
+            low, high = (float(x) for x in torch.aminmax(r))
+            if math.isnan(low) or math.isnan(high):  # NaN somewhere: masked garbage?
+                r.copy_(torch.where(valid_b, r, 0.0))
+                low, high = (float(x) for x in torch.aminmax(r))
+            block_fast = not (math.isnan(low) or math.isnan(high))  # NaN on a valid token
+        if not block_fast:
+            w_b = scale[sl] if per_row_scale else scale
+            rs, g = exact(lp_b, old_b, adv[sl], valid_b, w_b, with_grad)
+            row_sums[sl] = rs
+            if grad is not None and g is not None:
+                grad[sl] = g
+            continue
+        keep = None
+        if with_grad and (low < -clamp or high > clamp):  # rare: the log-ratio clamp acts
+            keep = torch.empty_like(r)
+            torch.eq(torch.clamp(r, -clamp, clamp, out=q), r, out=keep)
+            r.copy_(q)
+        elif low < -clamp or high > clamp:
+            r.clamp_(-clamp, clamp)
+        r.exp_()
+        if row_terms is not None:
+            na_b, lo_b, hi_b, wna_b = (t if one_block else t[sl] for t in row_terms)
+        else:
+            tok = views[-4:]
+            na_b = torch.neg(adv if one_block else adv[sl], out=tok[3])
+            _token_bounds(na_b, tok, lo, cap, hi)
+            lo_b, hi_b = tok[1], tok[2]
+        torch.maximum(r, lo_b, out=q)
+        torch.minimum(q, hi_b, out=q)
+        vf.copy_(valid_u8 if one_block else valid_u8[sl])
+        q.mul_(vf)  # q m: the loss is (-A) q m
+        rs = row_sums if one_block else row_sums[sl]
+        if grad is not None:
+            if row_terms is not None:
+                torch.sum(q, dim=-1, out=rs).mul_(na_b[:, 0])
+                ind = torch.eq(q, r, out=q)
+            else:
+                ind = torch.eq(q, r, out=tok[1])
+                torch.sum(q.mul_(na_b), dim=-1, out=rs)
+                # ((w * -A) * 1) * r: the reference's rounding order
+                w_b = scale if not per_row_scale or one_block else scale[sl]
+                wna_b = torch.mul(na_b, w_b, out=tok[2])
+            if keep is not None:
+                ind.mul_(keep)
+            r.mul_(ind).mul_(wna_b)
+        elif row_terms is not None:
+            torch.sum(q, dim=-1, out=rs).mul_(na_b[:, 0])
+        else:
+            torch.sum(q.mul_(na_b), dim=-1, out=rs)
+    return row_sums, grad
