@@ -21,7 +21,14 @@ from _strategies import MODES, make_batch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dapo_ops import ClipHigher, InputError, clip_higher_surrogate, token_level_aggregate
+from dapo_ops import (
+    ClipHigher,
+    InputError,
+    clip_higher_surrogate,
+    kl_penalty,
+    token_level_aggregate,
+    token_level_loss,
+)
 from dapo_ops._engine import eager_body, fused_loss
 from dapo_ops.policy import prepare
 
@@ -503,3 +510,45 @@ def test_masked_garbage_changes_nothing_bitwise(c: dict[str, Any], junk: float, 
     assert torch.equal(clean, dirt), (clean, dirt)
     assert lp_c.grad is not None and lp_d.grad is not None
     assert torch.equal(lp_c.grad, lp_d.grad)
+
+
+@pytest.mark.parametrize("mutated", ["logp", "old_logp", "advantages"])
+def test_in_place_change_between_forward_and_backward_raises(mutated: str) -> None:
+    """The gradient is computed in the forward pass: a saved input changed in place
+    before backward must raise (as torch does), never give the old gradient silently."""
+    b = make_batch(3, 6, 9)
+    leaf = b.logp.clone().requires_grad_(True)
+    tensors = {"logp": leaf * 1.0, "old_logp": b.old_logp.clone(), "advantages": b.advantages}
+    tensors["advantages"] = tensors["advantages"].clone()
+    loss = fused_token_level_loss(
+        tensors["logp"], tensors["old_logp"], tensors["advantages"], b.mask
+    )
+    with torch.no_grad():
+        tensors[mutated].add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("with_kl_is", [False, True])
+def test_double_backward_differentiates_the_definition(with_kl_is: bool) -> None:
+    """``create_graph=True`` gives a gradient with a graph: its own derivative (e.g. a
+    gradient penalty) equals the reference composition's, KL and IS weights included."""
+    b = make_batch(4, 7, 10, dtype=torch.float64, spread=0.3)
+    ref_logp, w = b.old_logp - 0.2, torch.rand(4, 7, dtype=torch.float64) * 2
+    kw: dict[str, Any] = {"ref_logp": ref_logp, "kl_beta": 0.1, "is_weights": w}
+    kw = kw if with_kl_is else {}
+    lp_f = b.logp.clone().requires_grad_(True)
+    lp_r = b.logp.clone().requires_grad_(True)
+    fused = token_level_loss(lp_f, b.old_logp, b.advantages, b.mask, dual_clip=3.0, **kw)
+    per_token = clip_higher_surrogate(lp_r, b.old_logp, b.advantages, b.mask, dual_clip=3.0)
+    if with_kl_is:
+        per_token = per_token * w + 0.1 * kl_penalty(lp_r, ref_logp, b.mask)
+    ref = token_level_aggregate(per_token, b.mask)
+    (g_f,) = torch.autograd.grad(fused, lp_f, create_graph=True)
+    (g_r,) = torch.autograd.grad(ref, lp_r, create_graph=True)
+    assert g_f.requires_grad
+    torch.testing.assert_close(g_f, g_r, rtol=1e-12, atol=1e-15)
+    (h_f,) = torch.autograd.grad(g_f.pow(2).sum(), lp_f)
+    (h_r,) = torch.autograd.grad(g_r.pow(2).sum(), lp_r)
+    torch.testing.assert_close(h_f, h_r, rtol=1e-12, atol=1e-15)
+    assert bool(h_f.abs().sum() > 0)
