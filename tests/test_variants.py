@@ -351,3 +351,104 @@ def test_trl_loss_types_reproduced_with_a_row_normalizer() -> None:
         trl_dr_grpo,
     )
     torch.testing.assert_close(d.token_level_loss(b.logp, b.old_logp, b.advantages, mask), trl_bnpo)
+
+
+# --- the peers' numeric guards, as explicit options --------------------------------
+
+
+def verl_gspo_token_mean(
+    logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """verl 0.9.1's ``compute_policy_loss_gspo`` as its source writes it (eps 3e-4/4e-4),
+    aggregated with seq-mean-token-mean."""
+    m = mask.to(logp.dtype)
+    seq_kl = ((logp - old) * m).sum(-1) / m.sum(-1).clamp(min=1)
+    log_s = logp - logp.detach() + seq_kl.detach()[:, None]
+    s = torch.exp(torch.clamp(log_s, max=10.0))
+    a = adv[:, None]
+    losses = torch.maximum(-a * s, -a * torch.clamp(s, 1 - 3e-4, 1 + 4e-4))
+    return (((losses * m).sum(-1) / m.sum(-1).clamp(min=1))[mask.any(-1)]).mean()
+
+
+def test_gspo_verl_clamp_reproduces_verl_and_differs_for_large_ratios() -> None:
+    b = make_batch(4, 6, 21, dtype=torch.float64)
+    mask = b.mask.clone()
+    mask[:, 0] = True
+    logp = b.logp.clone()
+    logp[0] = b.old_logp[0] + 12.0  # log s = 12 > 10: verl's clamp acts, and cuts the gradient
+    adv = torch.tensor([-1.0, 0.5, -0.3, 2.0], dtype=torch.float64)
+    grads = {}
+    for name, fn in {
+        "verl": lambda lp: verl_gspo_token_mean(lp, b.old_logp, adv, mask),
+        "ours(verl_clamp)": lambda lp: d.policy_loss(
+            d.GSPO(verl_clamp=True), lp, b.old_logp, adv, mask, mode="seq_mean_token_mean"
+        ),
+        "ours": lambda lp: d.policy_loss(
+            d.GSPO(), lp, b.old_logp, adv, mask, mode="seq_mean_token_mean"
+        ),
+    }.items():
+        lp = logp.clone().requires_grad_(True)
+        value = fn(lp)
+        value.backward()
+        grads[name] = (value.detach(), lp.grad)
+    torch.testing.assert_close(grads["ours(verl_clamp)"][0], grads["verl"][0])
+    torch.testing.assert_close(grads["ours(verl_clamp)"][1], grads["verl"][1])
+    assert bool((grads["verl"][1][0] == 0).all())  # verl: no gradient past the clamp
+    assert bool((grads["ours"][1][0][mask[0]] != 0).all())  # ours: -A s_i with s_i = e^10
+
+
+def test_kl_clamp_reproduces_verl_low_var_kl() -> None:
+    """verl's ``kl_penalty(..., "low_var_kl")``: k3 of ref - logp, clamped to [-10, 10]."""
+    logp = torch.tensor([[-1.0, -8.0, -0.5, -30.0]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[-1.2, -1.0, -0.5, -1.0]], dtype=torch.float64)
+    kl = ref - logp
+    verl = torch.clamp(torch.exp(kl) - kl - 1, min=-10, max=10)
+    ours = d.kl_penalty(logp, ref, estimator="k3", clamp=10.0)
+    torch.testing.assert_close(ours, verl)
+    (g_ours,) = torch.autograd.grad(ours.sum(), logp)
+    logp2 = logp.detach().clone().requires_grad_(True)
+    kl2 = ref - logp2
+    (g_verl,) = torch.autograd.grad(torch.clamp(torch.exp(kl2) - kl2 - 1, -10, 10).sum(), logp2)
+    torch.testing.assert_close(g_ours, g_verl)
+    assert float(d.kl_penalty(logp.detach(), ref)[0, 1]) > 10  # ours, unclamped by default
+    # the fused loss path uses the same value and gradient
+    mask = torch.ones_like(logp, dtype=torch.bool)
+    adv = torch.zeros(1, dtype=torch.float64)
+    kl_value = d.KLPenalty(beta=0.5, clamp=10.0)
+    lp = logp.detach().clone().requires_grad_(True)
+    loss = d.policy_loss(d.ClipHigher(), lp, ref, adv, mask, ref_logp=ref, kl=kl_value)
+    loss.backward()
+    torch.testing.assert_close(loss, 0.5 * verl.mean())
+    assert lp.grad is not None
+    torch.testing.assert_close(lp.grad, 0.5 * g_verl / 4)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("clamp", [None, 0.05])
+@pytest.mark.parametrize("with_is", [False, True])
+def test_fused_kl_and_is_weights_equal_the_composition(
+    estimator: str, clamp: float | None, with_is: bool
+) -> None:
+    """The fused path's analytic KL gradient (every estimator, with and without the
+    clamp) and IS weights against autograd through the composition, in float64."""
+    b = make_batch(5, 9, 22, dtype=torch.float64, spread=0.4)
+    ref = b.old_logp - torch.rand(5, 9, dtype=torch.float64)
+    w = torch.rand(5, 9, dtype=torch.float64) * 2 if with_is else None
+    kl = d.KLPenalty(beta=0.3, estimator=estimator, clamp=clamp)  # type: ignore[arg-type]
+    for mode in MODES:
+        lp_f = b.logp.clone().requires_grad_(True)
+        lp_r = b.logp.clone().requires_grad_(True)
+        fused = d.policy_loss(
+            d.ClipHigher(), lp_f, b.old_logp, b.advantages, b.mask, mode=mode,  # type: ignore[arg-type]
+            ref_logp=ref, kl=kl, is_weights=w,
+        )  # fmt: skip
+        per_token = d.clip_higher_surrogate(lp_r, b.old_logp, b.advantages, b.mask)
+        if w is not None:
+            per_token = per_token * w
+        kl_r = d.kl_penalty(lp_r, ref, b.mask, estimator=estimator, clamp=clamp)  # type: ignore[arg-type]
+        want = d.token_level_aggregate(per_token + 0.3 * kl_r, b.mask, mode=mode)  # type: ignore[arg-type]
+        fused.backward()
+        want.backward()
+        torch.testing.assert_close(fused, want, rtol=1e-12, atol=1e-14)
+        assert lp_f.grad is not None and lp_r.grad is not None
+        torch.testing.assert_close(lp_f.grad, lp_r.grad, rtol=1e-12, atol=1e-14)

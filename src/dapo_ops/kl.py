@@ -57,13 +57,15 @@ class KLPenalty:
 
     def estimate(self, delta: Tensor) -> Tensor:
         """The per-token estimate (before ``beta``) of the clamped log-ratio ``delta``."""
-        if self.estimator == "k1":
-            kl = delta
-        elif self.estimator == "k2":
-            kl = 0.5 * delta * delta
-        else:
-            kl = torch.expm1(-delta) + delta
+        kl = self._unclamped(delta)
         return kl if self.clamp is None else kl.clamp(-self.clamp, self.clamp)
+
+    def _unclamped(self, delta: Tensor) -> Tensor:
+        if self.estimator == "k1":
+            return delta
+        if self.estimator == "k2":
+            return 0.5 * delta * delta
+        return torch.expm1(-delta) + delta
 
     def grad(self, raw: Tensor, delta: Tensor, weight: Tensor) -> Tensor:
         """``weight * beta * d estimate / d logp`` from the raw and the clamped log-ratio."""
@@ -74,9 +76,8 @@ class KLPenalty:
         else:
             slope = -torch.expm1(-delta)
         keep = raw == delta
-        if self.clamp is not None:
-            kl = self.estimate(delta)
-            keep = keep & (kl.abs() <= self.clamp)
+        if self.clamp is not None:  # clamp's convention: the gradient passes on the bounds
+            keep = keep & (self._unclamped(delta).abs() <= self.clamp)
         return torch.where(keep, (weight * self.beta) * slope, 0.0)
 
 
