@@ -8,7 +8,7 @@ import math
 import torch
 from torch import Tensor
 
-from dapo_ops.objectives._clip_higher_cpu import Exact, cpu_terms
+from dapo_ops.objectives._clip_higher_cpu import cpu_terms
 from dapo_ops.objectives.base import Clipped, Objective, TokenInputs, check_field, check_number
 
 
@@ -81,21 +81,9 @@ class ClipHigher(Objective):
         )
         return Clipped(low, high, dual)
 
-    def cpu_terms(
-        self,
-        logp: Tensor,
-        old_logp: Tensor,
-        adv: Tensor,
-        valid: Tensor,
-        scale: Tensor,
-        with_grad: bool,
-        rows: int,
-        exact: Exact,
-    ) -> tuple[Tensor, Tensor | None]:
-        """The engine's eager CPU kernel for this objective: float-only ops on blocks of
-        ``rows`` rows, the same values as :meth:`term` and :meth:`grad` (see
-        :mod:`dapo_ops.objectives._clip_higher_cpu`); ``exact`` is the generic body."""
-        return cpu_terms(self, logp, old_logp, adv, valid, scale, with_grad, rows, exact)
+    #: The engine's eager CPU kernel for this objective: float-only ops on row blocks, the
+    #: same values as :meth:`term` and :meth:`grad` (:mod:`dapo_ops.objectives._clip_higher_cpu`).
+    cpu_terms = cpu_terms
 
 
 def clip_bounds(
