@@ -62,4 +62,4 @@ def truncated_is_weights(
     else:
         seq_log = rearrange(log_ratio.sum(dim=-1), "batch -> batch 1")
         weight = torch.exp(seq_log.clamp(max=math.log(cap))).expand_as(ratio)
-    return torch.where(valid, weight, torch.zeros_like(weight)).detach()
+    return masked(valid, weight).detach()
