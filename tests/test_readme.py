@@ -28,3 +28,14 @@ def test_readme_has_the_two_setup_commands() -> None:
     assert len(blocks) == 2
     assert "python -m dapo_ops.demo" in blocks[0]
     assert "pytest" in blocks[1] and "torch==2.13.0" in blocks[1]
+
+
+def test_objectives_example_runs_and_backpropagates() -> None:
+    text = (ROOT / "README.md").read_text()
+    match = re.search(r"## Objectives are values\n.*?```python\n(.*?)```", text, re.S)
+    assert match, "README.md lost its objectives example"
+    namespace: dict[str, object] = {}
+    exec(compile(match.group(1), "README.md", "exec"), namespace)
+    logp = namespace["logp"]
+    assert isinstance(logp, torch.Tensor) and logp.grad is not None
+    assert bool(torch.isfinite(logp.grad).all()) and bool(logp.grad.abs().sum() > 0)
