@@ -310,6 +310,8 @@ def test_float64_stays_float64() -> None:
         ({"log_ratio_clamp": 0.0}, "log_ratio_clamp"),
         ({"mode": "sum"}, "mode"),
         ({"normalizer": 0}, "normalizer"),
+        ({"normalizer": float("inf")}, "normalizer"),
+        ({"normalizer": float("nan")}, "normalizer"),
         ({"normalizer": "global"}, "normalizer"),
         ({"normalizer": torch.ones(2)}, "normalizer"),
         ({"max_len": 0}, "max_len"),
