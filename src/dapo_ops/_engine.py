@@ -134,13 +134,14 @@ def token_inputs(
 ) -> TokenInputs:
     """The objective's inputs. ``reference``: differentiable, with masked positions set to
     0 first (so no NaN reaches autograd); else raw (the engine masks the results)."""
-    lp = logp.to(dtype)
-    log_ratio = lp - old_logp.to(dtype)
+    lp, old = logp.to(dtype), old_logp.to(dtype)
+    log_ratio = lp - old
     a = adv.to(dtype)
     if reference:
-        lp, log_ratio, a = masked(valid, lp), masked(valid, log_ratio), masked(valid, a)
+        lp, old, log_ratio = masked(valid, lp), masked(valid, old), masked(valid, log_ratio)
+        a = masked(valid, a)
     clamped = log_ratio.clamp(-objective.log_ratio_clamp, objective.log_ratio_clamp)
-    return TokenInputs(lp, log_ratio, clamped, clamped.exp(), a, valid)
+    return TokenInputs(lp, old, log_ratio, clamped, clamped.exp(), a, valid)
 
 
 def reference_terms(

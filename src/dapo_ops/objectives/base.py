@@ -46,6 +46,7 @@ class TokenInputs(NamedTuple):
     """
 
     logp: Tensor  # log pi_theta of the sampled tokens (the differentiated input)
+    old_logp: Tensor  # log pi_old of the same tokens (a constant)
     log_ratio: Tensor  # logp - old_logp, not clamped
     clamped: Tensor  # log_ratio clamped to +-log_ratio_clamp
     ratio: Tensor  # exp(clamped): never inf
