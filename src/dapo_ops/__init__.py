@@ -34,7 +34,17 @@ from dapo_ops.logprobs import (
     token_logprobs_and_entropy,
 )
 from dapo_ops.loss import token_level_loss
-from dapo_ops.objectives import CISPO, GSPO, ClipHigher, Objective
+from dapo_ops.objectives import (
+    CISPO,
+    DPPO,
+    DRO,
+    GMPO,
+    GSPO,
+    SAPO,
+    ClipHigher,
+    Objective,
+    PolicyGradient,
+)
 from dapo_ops.policy import policy_loss, policy_loss_with_diagnostics
 from dapo_ops.presets import ObjectivePreset
 from dapo_ops.rewards import overlong_filter, overlong_reward
@@ -45,7 +55,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CISPO",
+    "DPPO",
+    "DRO",
+    "GMPO",
     "GSPO",
+    "SAPO",
     "BatchDiagnostics",
     "ClipHigher",
     "InputError",
@@ -55,6 +69,7 @@ __all__ = [
     "ObjectivePreset",
     "PartialLoss",
     "PolicyDiagnostics",
+    "PolicyGradient",
     "aggregate_partial",
     "batch_diagnostics",
     "cispo_surrogate",

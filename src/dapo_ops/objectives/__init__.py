@@ -8,9 +8,36 @@ the library ships; the conformance tests run over every entry.
 from dapo_ops.objectives.base import Clipped, Objective, TokenInputs
 from dapo_ops.objectives.cispo import CISPO
 from dapo_ops.objectives.clip_higher import ClipHigher
+from dapo_ops.objectives.dppo import DPPO
+from dapo_ops.objectives.dro import DRO
+from dapo_ops.objectives.gmpo import GMPO
 from dapo_ops.objectives.gspo import GSPO
+from dapo_ops.objectives.policy_gradient import PolicyGradient
+from dapo_ops.objectives.sapo import SAPO
 
 #: Every objective class the library exports (the conformance suite's list).
-OBJECTIVES: tuple[type[Objective], ...] = (ClipHigher, GSPO, CISPO)
+OBJECTIVES: tuple[type[Objective], ...] = (
+    ClipHigher,
+    GSPO,
+    CISPO,
+    SAPO,
+    DPPO,
+    GMPO,
+    DRO,
+    PolicyGradient,
+)
 
-__all__ = ["CISPO", "GSPO", "OBJECTIVES", "ClipHigher", "Clipped", "Objective", "TokenInputs"]
+__all__ = [
+    "CISPO",
+    "DPPO",
+    "DRO",
+    "GMPO",
+    "GSPO",
+    "OBJECTIVES",
+    "SAPO",
+    "ClipHigher",
+    "Clipped",
+    "Objective",
+    "PolicyGradient",
+    "TokenInputs",
+]

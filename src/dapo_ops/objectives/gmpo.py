@@ -1,0 +1,74 @@
+"""GMPO: the geometric mean of sign-clipped token ratios per sequence (verl ``geo_mean``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import Tensor
+
+from dapo_ops._rules import masked
+from dapo_ops.objectives.base import Clipped, Objective, TokenInputs, check_field, check_number
+
+
+@dataclasses.dataclass(frozen=True)
+class GMPO(Objective):
+    r"""Geometric-Mean Policy Optimization: PPO's clip on the log-ratio, then a per-sequence
+    geometric mean (Zhao et al. 2025, "GMPO").
+
+    .. math::
+
+        m_{i,t} = \mathrm{sgn}(A_i)\min\big(\mathrm{sgn}(A_i)\log r_{i,t},\;
+            \mathrm{sgn}(A_i)\,\mathrm{clip}(\log r_{i,t}, -\varepsilon_{low}, \varepsilon_{high})\big),
+        \qquad \ell_i = -A_i \exp\Big(\frac{1}{|y_i|}\sum_t m_{i,t}\Big)
+
+    Written, like GSPO, in a per-token form whose every valid token carries the sequence
+    loss and the gradient ``-A_i s_i [m_{i,t} = log r_{i,t}]`` (0 where the log-ratio clip
+    acts), so ``mode="seq_mean_token_mean"`` gives GMPO's objective and gradient over the
+    non-empty sequences. verl 0.9.1 (``loss_mode="geo_mean"``) instead averages over every
+    row, empty ones included (``normalizer=batch`` reproduces that) and weights by the mean
+    of per-token advantages; advantages here are per sequence.
+
+    Fields (GMPO paper and verl: the clip range is on the *log*-ratio): ``eps_low=0.4``,
+    ``eps_high=0.4`` (the paper's ``(e^-0.4, e^0.4)``).
+
+    Example:
+        >>> GMPO()
+        GMPO(log_ratio_clamp=20.0, eps_low=0.4, eps_high=0.4)
+    """
+
+    level = "sequence"
+
+    eps_low: float = 0.4
+    eps_high: float = 0.4
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("eps_low", "eps_high"):
+            value = check_number(self, name)
+            check_field(self, name, 0.0 <= value < math.inf, "must be finite and >= 0")
+
+    def _token_log_ratio(self, x: TokenInputs) -> Tensor:
+        """``m``: ``min(lr, eps_high)`` for ``A > 0``, ``max(lr, -eps_low)`` for ``A < 0``,
+        0 for ``A == 0``."""
+        sign = torch.sign(x.adv)
+        bounded = x.log_ratio.clamp(-self.eps_low, self.eps_high)
+        return sign * torch.minimum(sign * x.log_ratio, sign * bounded)
+
+    def _seq_ratio(self, x: TokenInputs) -> Tensor:
+        m = masked(x.valid, self._token_log_ratio(x))
+        n = x.valid.sum(dim=-1, keepdim=True).to(m.dtype)
+        return torch.exp(m.sum(dim=-1, keepdim=True) / torch.where(n == 0, 1.0, n)).detach()
+
+    def term(self, x: TokenInputs) -> Tensor:
+        m = self._token_log_ratio(x)
+        return -x.adv * self._seq_ratio(x) * torch.exp(m - m.detach())
+
+    def grad(self, x: TokenInputs, weight: Tensor) -> Tensor:
+        unclipped = self._token_log_ratio(x) == x.log_ratio
+        return torch.where(unclipped, (weight * x.adv.neg()) * self._seq_ratio(x), 0.0)
+
+    def clipped(self, x: TokenInputs) -> Clipped:
+        clip = x.log_ratio != x.log_ratio.clamp(-self.eps_low, self.eps_high)
+        return Clipped(clip & (x.adv < 0), clip & (x.adv > 0), torch.zeros_like(x.valid))

@@ -1,0 +1,35 @@
+"""The plain policy gradient ``-A log pi`` (GPG; REINFORCE with a group baseline)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch import Tensor
+
+from dapo_ops.objectives.base import Objective, TokenInputs
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyGradient(Objective):
+    r"""The vanilla policy-gradient loss, no ratio, no clip.
+
+    .. math::
+
+        \ell_{i,t} = -A_{i,t}\,\log\pi_\theta(y_{i,t})
+
+    The gradient is ``-A``: exactly on-policy REINFORCE (with the group-relative advantage:
+    GPG, Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline").
+    ``old_logp`` does not enter the loss (pass ``logp.detach()``); the diagnostics still
+    report its ratio. No fields beyond ``log_ratio_clamp`` (used by the diagnostics only).
+    verl: ``loss_mode="gpg"``.
+
+    Example:
+        >>> PolicyGradient()
+        PolicyGradient(log_ratio_clamp=20.0)
+    """
+
+    def term(self, x: TokenInputs) -> Tensor:
+        return -x.adv * x.logp
+
+    def grad(self, x: TokenInputs, weight: Tensor) -> Tensor:
+        return (weight * x.adv.neg()).expand_as(x.logp)
