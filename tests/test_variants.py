@@ -423,18 +423,19 @@ def test_kl_clamp_reproduces_verl_low_var_kl() -> None:
     torch.testing.assert_close(lp.grad, 0.5 * g_verl / 4)
 
 
-@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "abs"])
 @pytest.mark.parametrize("clamp", [None, 0.05])
 @pytest.mark.parametrize("with_is", [False, True])
+@pytest.mark.parametrize("straight_through", [False, True])
 def test_fused_kl_and_is_weights_equal_the_composition(
-    estimator: str, clamp: float | None, with_is: bool
+    estimator: str, clamp: float | None, with_is: bool, straight_through: bool
 ) -> None:
     """The fused path's analytic KL gradient (every estimator, with and without the
     clamp) and IS weights against autograd through the composition, in float64."""
     b = make_batch(5, 9, 22, dtype=torch.float64, spread=0.4)
     ref = b.old_logp - torch.rand(5, 9, dtype=torch.float64)
     w = torch.rand(5, 9, dtype=torch.float64) * 2 if with_is else None
-    kl = d.KLPenalty(beta=0.3, estimator=estimator, clamp=clamp)  # type: ignore[arg-type]
+    kl = d.KLPenalty(beta=0.3, estimator=estimator, clamp=clamp, straight_through=straight_through)  # type: ignore[arg-type]
     for mode in MODES:
         lp_f = b.logp.clone().requires_grad_(True)
         lp_r = b.logp.clone().requires_grad_(True)
@@ -445,7 +446,14 @@ def test_fused_kl_and_is_weights_equal_the_composition(
         per_token = d.clip_higher_surrogate(lp_r, b.old_logp, b.advantages, b.mask)
         if w is not None:
             per_token = per_token * w
-        kl_r = d.kl_penalty(lp_r, ref, b.mask, estimator=estimator, clamp=clamp)  # type: ignore[arg-type]
+        kl_r = d.kl_penalty(
+            lp_r,
+            ref,
+            b.mask,
+            estimator=estimator,
+            clamp=clamp,
+            straight_through=straight_through,  # type: ignore[arg-type]
+        )
         want = d.token_level_aggregate(per_token + 0.3 * kl_r, b.mask, mode=mode)  # type: ignore[arg-type]
         fused.backward()
         want.backward()

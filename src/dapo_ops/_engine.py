@@ -162,8 +162,9 @@ def reference_terms(
         per_token = per_token * masked(valid, is_weights.to(dtype))
     if spec.kl is not None and ref_logp is not None:
         clamp = spec.kl.log_ratio_clamp
-        delta = masked(valid, logp.to(dtype) - ref_logp.to(dtype)).clamp(-clamp, clamp)
-        per_token = per_token + spec.kl.beta * masked(valid, spec.kl.estimate(delta))
+        raw = masked(valid, logp.to(dtype) - ref_logp.to(dtype))
+        penalty = spec.kl.penalty(raw, raw.clamp(-clamp, clamp))
+        per_token = per_token + spec.kl.beta * masked(valid, penalty)
     return per_token
 
 

@@ -167,3 +167,52 @@ def test_gmpo_equals_verl_geo_mean_over_every_row() -> None:
         )
         torch.testing.assert_close(got[0], want[0], rtol=1e-7, atol=1e-10)
         torch.testing.assert_close(got[1], want[1], rtol=1e-7, atol=1e-10)
+
+
+@pytest.mark.parametrize(
+    ("verl_name", "penalty"),
+    [
+        ("k1", d.KLPenalty(beta=1.0, estimator="k1")),
+        ("kl", d.KLPenalty(beta=1.0, estimator="k1")),
+        ("abs", d.KLPenalty(beta=1.0, estimator="abs")),
+        ("k2", d.KLPenalty(beta=1.0, estimator="k2")),
+        ("mse", d.KLPenalty(beta=1.0, estimator="k2")),
+        ("low_var_kl", d.KLPenalty(beta=1.0, estimator="k3", clamp=10.0)),
+        ("k3", d.KLPenalty(beta=1.0, estimator="k3", clamp=10.0)),
+        ("k3+", d.KLPenalty(beta=1.0, estimator="k3", clamp=10.0, straight_through=True)),
+        ("low_var_kl+", d.KLPenalty(beta=1.0, estimator="k3", clamp=10.0, straight_through=True)),
+        ("k1+", d.KLPenalty(beta=1.0, estimator="k1", straight_through=True)),
+        ("abs+", d.KLPenalty(beta=1.0, estimator="abs", straight_through=True)),
+    ],
+)
+def test_kl_estimators_equal_verl(verl_name: str, penalty: d.KLPenalty) -> None:
+    """verl's ``kl_penalty`` per token (value and gradient) against ``KLPenalty`` through
+    ``policy_loss`` (zero advantages, so the loss is the KL term alone) and ``kl_penalty``."""
+    for seed in range(3):
+        b = batch(seed, spread=2.0)  # log-ratios past +-10: verl's k3 value clamp acts
+        ref = b["old"]
+        mask = b["mask"]
+        logp = b["logp"].clone().requires_grad_(True)
+        want = core_algos.kl_penalty(logp, ref, verl_name)
+        (g_want,) = torch.autograd.grad((want * mask).sum(), logp)
+        lp = b["logp"].clone().requires_grad_(True)
+        got = d.kl_penalty(
+            lp,
+            ref,
+            mask,
+            estimator=penalty.estimator,
+            clamp=penalty.clamp,
+            straight_through=penalty.straight_through,
+        )
+        (g_got,) = torch.autograd.grad(got.sum(), lp)
+        torch.testing.assert_close(got, want * mask, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(g_got, g_want * mask, rtol=1e-12, atol=1e-14)
+        # the fused loss path: token-sum of the same per-token penalty
+        lp = b["logp"].clone().requires_grad_(True)
+        zero = torch.zeros(mask.shape[0], dtype=torch.float64)
+        loss = d.policy_loss(
+            d.ClipHigher(), lp, b["logp"], zero, mask, normalizer=1.0, ref_logp=ref, kl=penalty
+        )
+        (g_loss,) = torch.autograd.grad(loss, lp)
+        torch.testing.assert_close(loss, (want * mask).sum(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(g_loss, g_want * mask, rtol=1e-12, atol=1e-14)
