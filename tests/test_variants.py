@@ -460,3 +460,73 @@ def test_fused_kl_and_is_weights_equal_the_composition(
         torch.testing.assert_close(fused, want, rtol=1e-12, atol=1e-14)
         assert lp_f.grad is not None and lp_r.grad is not None
         torch.testing.assert_close(lp_f.grad, lp_r.grad, rtol=1e-12, atol=1e-14)
+
+
+# --- rollout correction -------------------------------------------------------------
+
+
+@given(
+    policy_batches(),
+    st.sampled_from(["k1", "k2", "k3"]),
+    st.sampled_from(["token", "seq_sum", "seq_mean", "seq_max"]),
+)
+def test_rejection_mask_properties(b: PolicyBatch, statistic: str, level: str) -> None:
+    if statistic == "k1" and level == "seq_max":
+        with pytest.raises(d.InputError, match="seq_max"):
+            d.rejection_mask(b.old_logp, b.logp, b.mask, statistic="k1", level="seq_max", upper=2.0)
+        return
+    upper = 1.5 if statistic == "k1" else 0.05
+    keep = d.rejection_mask(
+        b.old_logp, b.logp, b.mask, statistic=statistic, level=level, upper=upper
+    )  # type: ignore[arg-type]
+    assert keep.dtype == torch.bool and bool((keep <= b.mask).all())  # a subset of the mask
+    if level != "token":  # whole sequences: kept entirely or not at all
+        partial = (keep != b.mask) & keep.any(dim=-1, keepdim=True)
+        assert not bool(partial.any())
+    # the same policy on both sides keeps everything
+    same = d.rejection_mask(
+        b.old_logp, b.old_logp, b.mask, statistic=statistic, level=level, upper=upper
+    )  # type: ignore[arg-type]
+    assert torch.equal(same, b.mask)
+    # garbage in masked positions changes nothing
+    junk = torch.where(b.mask, b.logp, torch.tensor(float("nan")))
+    dirty = d.rejection_mask(
+        b.old_logp, junk, b.mask, statistic=statistic, level=level, upper=upper
+    )  # type: ignore[arg-type]
+    assert torch.equal(dirty, keep)
+
+
+@given(policy_batches(), st.sampled_from(["token", "sequence"]))
+def test_is_weights_two_sided_and_batch_normalized(b: PolicyBatch, level: str) -> None:
+    w = d.truncated_is_weights(b.old_logp, b.logp, b.mask, level=level, cap=2.0, lower=0.5)  # type: ignore[arg-type]
+    raw = d.truncated_is_weights(b.old_logp, b.logp, b.mask, level=level, cap=1e30)  # type: ignore[arg-type]
+    inside = (raw >= 0.5) & (raw <= 2.0)
+    assert torch.equal(w, torch.where(inside, raw, 0.0))
+    n = d.truncated_is_weights(b.old_logp, b.logp, b.mask, level=level, batch_normalize=True)  # type: ignore[arg-type]
+    if level == "token" and bool(b.mask.any()):
+        mean = n[b.mask].double().mean()
+        assert abs(float(mean) - 1.0) < 1e-5 or float(mean) == 0.0
+
+
+def test_rollout_correction_bad_options_name_the_argument() -> None:
+    b = make_batch(2, 3, 0)
+    for kwargs, name in [
+        ({"upper": 0.0}, "upper"),
+        ({"upper": 2.0, "lower": 3.0}, "lower"),
+        ({"upper": 2.0, "statistic": "k2", "lower": 0.5}, "lower"),
+        ({"upper": 2.0, "statistic": "k4"}, "statistic"),
+        ({"upper": 2.0, "level": "sequence"}, "level"),
+    ]:
+        with pytest.raises(ValueError, match=name):
+            d.rejection_mask(b.old_logp, b.logp, b.mask, **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="lower"):
+        d.truncated_is_weights(b.old_logp, b.logp, b.mask, cap=2.0, lower=3.0)
+
+
+@given(policy_batches())
+def test_offpolicy_metrics_vanish_on_policy(b: PolicyBatch) -> None:
+    m = d.offpolicy_metrics(b.old_logp, b.old_logp, b.mask, is_weights=b.mask.float())
+    for name in ("kl", "k3_kl", "log_ppl_diff", "log_ppl_abs_diff", "chi2_token", "chi2_seq"):
+        assert float(getattr(m, name)) == 0.0, name
+    assert float(m.is_ess) == 1.0
+    assert float(m.ppl_ratio) == (1.0 if bool(b.mask.any()) else 0.0)

@@ -24,7 +24,7 @@ from dapo_ops.diagnostics import (
 )
 from dapo_ops.distributed import global_normalizer
 from dapo_ops.gspo import gspo_sequence_ratio, gspo_surrogate
-from dapo_ops.importance import truncated_is_weights
+from dapo_ops.importance import rejection_mask, truncated_is_weights
 from dapo_ops.kl import KLPenalty, kl_penalty
 from dapo_ops.logprobs import (
     LogpEntropy,
@@ -45,6 +45,7 @@ from dapo_ops.objectives import (
     Objective,
     PolicyGradient,
 )
+from dapo_ops.offpolicy import OffPolicyMetrics, offpolicy_metrics
 from dapo_ops.policy import policy_loss, policy_loss_with_diagnostics
 from dapo_ops.presets import ObjectivePreset
 from dapo_ops.rewards import overlong_filter, overlong_reward
@@ -67,6 +68,7 @@ __all__ = [
     "LogpEntropy",
     "Objective",
     "ObjectivePreset",
+    "OffPolicyMetrics",
     "PartialLoss",
     "PolicyDiagnostics",
     "PolicyGradient",
@@ -83,6 +85,7 @@ __all__ = [
     "kept_group_fraction",
     "kl_penalty",
     "objective_diagnostics",
+    "offpolicy_metrics",
     "overlong_filter",
     "overlong_reward",
     "per_token_loss",
@@ -91,6 +94,7 @@ __all__ = [
     "policy_loss_with_diagnostics",
     "presets",
     "prompts_to_generate",
+    "rejection_mask",
     "token_entropy",
     "token_level_aggregate",
     "token_level_loss",
