@@ -11,7 +11,10 @@
   (``eps=1e-6`` on the unbiased std, a one-sample group keeps its raw score,
   ``norm_adv_by_std_in_grpo``) computed by :func:`dapo_ops.group_advantages`, except
   that a group whose spread is float rounding gets exactly 0.
-- :func:`register` puts both into verl's registries. Importing this module in a process
+- :mod:`dapo_ops.integrations.verl_losses` states every other verl ``loss_mode`` that has
+  an objective here (``sapo``, ``dppo_tv``, ``gspo``, ...) and registers each as
+  ``dapo_ops_<loss_mode>``.
+- :func:`register` puts all of them into verl's registries. Importing this module in a process
   that has imported verl registers them too, so
   ``VERL_USE_EXTERNAL_MODULES=dapo_ops.integrations.verl`` (which verl imports in every
   process that imports verl, Ray workers included) is all a verl run needs.
@@ -146,16 +149,20 @@ def compute_policy_loss(
         is_weights=rollout_is_weights,
         return_diagnostics=True,
     )
-    with torch.no_grad():  # verl's ppo_kl: the masked mean of old - new (k1)
-        log_ratio = (log_prob - old_log_prob).float().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        neg = torch.where(mask, -log_ratio, torch.zeros_like(log_ratio)).sum()
-        ppo_kl = neg / mask.sum().clamp(min=1)
     metrics = {
         "actor/pg_clipfrac": float(diag.clip_frac_low + diag.clip_frac_high),
-        "actor/ppo_kl": float(ppo_kl),
+        "actor/ppo_kl": ppo_kl(log_prob, old_log_prob, mask),
         "actor/pg_clipfrac_lower": float(diag.clip_frac_dual),
     }
     return loss, metrics
+
+
+def ppo_kl(log_prob: Tensor, old_log_prob: Tensor, mask: Tensor) -> float:
+    """verl's ``actor/ppo_kl`` metric: the masked mean of ``old - new`` (k1), a host read."""
+    with torch.no_grad():
+        log_ratio = (log_prob - old_log_prob).float().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        neg = torch.where(mask, -log_ratio, torch.zeros_like(log_ratio)).sum()
+        return float(neg / mask.sum().clamp(min=1))
 
 
 def compute_grpo_outcome_advantage(
@@ -205,6 +212,9 @@ def register(loss_name: str = LOSS_NAME, adv_estimator_name: str = ADV_ESTIMATOR
     from verl.trainer.ppo import core_algos
 
     core_algos.register_policy_loss(loss_name)(compute_policy_loss)
+    from dapo_ops.integrations.verl_losses import register_all  # it imports this module
+
+    register_all()
     # register_adv_est refuses a second function under a name (a reloaded module's).
     core_algos.ADV_ESTIMATOR_REGISTRY.pop(adv_estimator_name, None)
     core_algos.register_adv_est(adv_estimator_name)(compute_grpo_outcome_advantage)
@@ -219,6 +229,7 @@ __all__ = [
     "VERL_AGG_MODES",
     "compute_grpo_outcome_advantage",
     "compute_policy_loss",
+    "ppo_kl",
     "register",
     "verl_aggregation",
 ]
