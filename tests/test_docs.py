@@ -90,3 +90,20 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
     for leftover in (".. math::", ":func:`", ":math:`"):
         assert leftover not in api, f"unconverted reST {leftover!r} in the API page"
     assert 'class="arithmatex"' in api
+
+
+def test_site_loads_nothing_from_another_host() -> None:
+    """Docs render offline: no script or stylesheet of mkdocs.yml, and no <script src> or
+    <link href> of a page template, points at http(s)."""
+    config = (ROOT / "mkdocs.yml").read_text()
+    assets = re.findall(r"^extra_(?:javascript|css):\n((?:\s+-\s.*\n)+)", config, re.M)
+    urls = [u for block in assets for u in re.findall(r"-\s*(\S+)", block)]
+    assert urls and not [u for u in urls if "://" in u], urls
+    for url in urls:
+        assert (DOCS / url).is_file(), f"{url} is listed in mkdocs.yml but not vendored"
+    site = ROOT / "build" / "site"
+    if site.is_dir():  # after `mkdocs build` (CI's integration job builds it)
+        for page in site.rglob("*.html"):
+            text = page.read_text(errors="ignore")
+            remote = re.findall(r'<(?:script[^>]*src|link[^>]*href)="(https?://[^"]+)"', text)
+            assert not remote, f"{page.relative_to(site)} loads {remote}"

@@ -1,6 +1,6 @@
 // MathJax configuration for pymdownx.arithmatex (generic mode), as in the Material for
-// MkDocs documentation. MathJax itself is loaded from a CDN by the browser when a page is
-// viewed; building the site needs no network.
+// MkDocs documentation. MathJax itself is vendored beside this file (javascripts/mathjax/),
+// so pages render their formulas offline.
 window.MathJax = {
   tex: {
     inlineMath: [["\\(", "\\)"]],
