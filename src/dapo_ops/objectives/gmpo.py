@@ -15,7 +15,7 @@ from dapo_ops.objectives.base import Clipped, Objective, TokenInputs, check_fiel
 @dataclasses.dataclass(frozen=True)
 class GMPO(Objective):
     r"""Geometric-Mean Policy Optimization: PPO's clip on the log-ratio, then a per-sequence
-    geometric mean (Zhao et al. 2025, "GMPO").
+    geometric mean (GMPO, arXiv 2507.20673).
 
     .. math::
 

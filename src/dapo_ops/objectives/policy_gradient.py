@@ -18,7 +18,7 @@ class PolicyGradient(Objective):
         \ell_{i,t} = -A_{i,t}\,\log\pi_\theta(y_{i,t})
 
     The gradient is ``-A``: exactly on-policy REINFORCE (with the group-relative advantage:
-    GPG, Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline").
+    GPG, "GPG: A Simple and Strong Reinforcement Learning Baseline", 2025).
     ``old_logp`` does not enter the loss (pass ``logp.detach()``); the diagnostics still
     report its ratio. No fields beyond ``log_ratio_clamp`` (used by the diagnostics only).
     verl: ``loss_mode="gpg"``.

@@ -1,4 +1,4 @@
-"""SAPO: soft, temperature-controlled gates instead of a hard clip (Gao et al. 2025)."""
+"""SAPO: soft, temperature-controlled gates instead of a hard clip (arXiv 2511.20347)."""
 
 from __future__ import annotations
 
