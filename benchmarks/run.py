@@ -164,7 +164,7 @@ DUAL = 3.0  # verl's clip_ratio_c, on for every verl-style and dapo_ops loss bel
 PUBLIC_EAGER = "dapo_ops token_level_loss (default, eager)"
 PUBLIC_COMPILED = "dapo_ops token_level_loss(compiled=True)"
 USER_COMPILED = "torch.compile(token_level_loss)"
-COMPOSITION = "dapo_ops surrogate + aggregate, unfused (the KL / IS-weights path)"
+COMPOSITION = "dapo_ops surrogate + aggregate, unfused (the autograd reference)"
 EXP_YARDSTICK = "yardstick: one torch.exp pass over [B, S] (out=)"
 #: the same loss case timed back-to-back: each implementation's repeats in one block, so
 #: its inputs and buffers stay in cache (the interleaved cases evict them between calls)
