@@ -23,6 +23,14 @@ from dapo_ops.diagnostics import (
     policy_diagnostics,
 )
 from dapo_ops.distributed import global_normalizer
+from dapo_ops.estimators import (
+    gae_advantages,
+    gpg_advantages,
+    masked_whiten,
+    opo_advantages,
+    passk_advantages,
+    reinforce_pp_advantages,
+)
 from dapo_ops.gspo import gspo_sequence_ratio, gspo_surrogate
 from dapo_ops.importance import rejection_mask, truncated_is_weights
 from dapo_ops.kl import KLPenalty, kl_penalty
@@ -78,14 +86,19 @@ __all__ = [
     "clip_higher_surrogate",
     "dynamic_sample_mask",
     "fused_logprobs_entropy",
+    "gae_advantages",
+    "gpg_advantages",
     "global_normalizer",
     "group_advantages",
     "gspo_sequence_ratio",
     "gspo_surrogate",
     "kept_group_fraction",
     "kl_penalty",
+    "masked_whiten",
     "objective_diagnostics",
     "offpolicy_metrics",
+    "opo_advantages",
+    "passk_advantages",
     "overlong_filter",
     "overlong_reward",
     "per_token_loss",
@@ -95,6 +108,7 @@ __all__ = [
     "presets",
     "prompts_to_generate",
     "rejection_mask",
+    "reinforce_pp_advantages",
     "token_entropy",
     "token_level_aggregate",
     "token_level_loss",

@@ -1,0 +1,137 @@
+"""Advantage estimators against verl 0.9.1's registry, float64, ragged uid layouts.
+
+verl's whitening divides its masked means by ``count + 1e-8`` (a relative 1e-8 / count):
+hence ``RTOL`` for the whitened estimators; the others agree to float64 rounding.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
+
+import dapo_ops as d  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+RTOL, ATOL = 1e-7, 1e-9  # verl's +1e-8 in masked-mean denominators
+
+
+def batch(seed: int, rows: int = 24, seq: int = 10) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, seq + 1, (rows,), generator=g)
+    mask = (torch.arange(seq) < lengths[:, None]).to(torch.float64)
+    ids = torch.randint(0, 7, (rows,), generator=g)
+    ids[0] = 99  # a one-sample group
+    scores = torch.randint(0, 3, (rows,), generator=g).to(torch.float64)
+    token_rewards = torch.zeros(rows, seq, dtype=torch.float64)
+    token_rewards[torch.arange(rows), lengths - 1] = scores  # outcome reward on the last token
+    dense = torch.randn(rows, seq, generator=g, dtype=torch.float64) * mask
+    values = torch.randn(rows, seq, generator=g, dtype=torch.float64)
+    return {
+        "mask": mask,
+        "ids": ids,
+        "uids": np.array([f"u{int(i)}" for i in ids], dtype=object),
+        "scores": scores,
+        "outcome": token_rewards,
+        "dense": dense,
+        "values": values,
+        "lengths": lengths,
+    }
+
+
+def algo(**kw: Any) -> Any:
+    from verl.trainer.config import AlgoConfig
+
+    return AlgoConfig(**kw)
+
+
+@pytest.mark.parametrize("gamma_lam", [(1.0, 1.0), (0.99, 0.95)])
+def test_gae(gamma_lam: tuple[float, float]) -> None:
+    gamma, lam = gamma_lam
+    for seed in range(3):
+        b = batch(seed)
+        want_a, want_r = core_algos.compute_gae_advantage_return(
+            b["dense"],
+            b["values"],
+            b["mask"],
+            torch.tensor(gamma, dtype=torch.float64),
+            torch.tensor(lam, dtype=torch.float64),
+        )
+        got_a, got_r = d.gae_advantages(
+            b["dense"], b["values"], b["mask"].bool(), gamma=gamma, lam=lam
+        )
+        m = b["mask"].bool()
+        torch.testing.assert_close(got_a[m], want_a[m], rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(got_r[m], want_r[m], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+def test_reinforce_plus_plus(gamma: float) -> None:
+    for seed in range(3):
+        b = batch(seed)
+        want_a, want_r = core_algos.compute_reinforce_plus_plus_outcome_advantage(
+            b["dense"], b["mask"], config=algo(gamma=gamma)
+        )
+        got_a, got_r = d.reinforce_pp_advantages(b["dense"], b["mask"].bool(), gamma=gamma)
+        torch.testing.assert_close(got_a, want_a, rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(got_r, want_r, rtol=1e-9, atol=1e-12)
+
+
+def test_reinforce_plus_plus_baseline_is_a_composition() -> None:
+    """verl's ``reinforce_plus_plus_baseline``: group-centred score (a lone sample keeps its
+    score), broadcast over the response, whitened over the batch's tokens."""
+    for seed in range(3):
+        b = batch(seed)
+        want, _ = core_algos.compute_reinforce_plus_plus_baseline_outcome_advantage(
+            b["outcome"], b["mask"], b["uids"]
+        )
+        centred = d.group_advantages(b["scores"], b["ids"], scale="none", singleton="score")
+        got = d.masked_whiten(centred[:, None] * b["mask"], b["mask"].bool())
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+
+
+def test_rloo_is_group_advantages_with_leave_one_out() -> None:
+    for seed in range(3):
+        b = batch(seed)
+        want, _ = core_algos.compute_rloo_outcome_advantage(b["outcome"], b["mask"], b["uids"])
+        got = d.group_advantages(
+            b["scores"], b["ids"], scale="none", baseline="leave_one_out", singleton="score"
+        )
+        torch.testing.assert_close(got[:, None] * b["mask"], want, rtol=1e-9, atol=1e-12)
+
+
+def test_opo() -> None:
+    for seed in range(3):
+        b = batch(seed)
+        want, _ = core_algos.compute_opo_outcome_advantage(b["outcome"], b["mask"], b["uids"])
+        got = d.opo_advantages(b["scores"], b["lengths"], b["ids"])
+        torch.testing.assert_close(got[:, None] * b["mask"], want, rtol=1e-9, atol=1e-12)
+
+
+def test_gpg() -> None:
+    for seed in range(3):
+        b = batch(seed)
+        want, _ = core_algos.compute_gpg_outcome_advantage(b["outcome"], b["mask"], b["uids"])
+        got = d.gpg_advantages(b["scores"], b["ids"])
+        # verl's alpha = bsz / count_nonzero(scores) is an int tensor division: float32
+        # (one rounding, 6e-8 relative); ours is in the scores' dtype
+        torch.testing.assert_close(got[:, None] * b["mask"], want, rtol=1e-7, atol=1e-12)
+
+
+@pytest.mark.parametrize("scale", [True, False])
+def test_grpo_passk(scale: bool) -> None:
+    for seed in range(3):
+        b = batch(seed)
+        counts = torch.bincount(b["ids"])
+        keep = counts[b["ids"]] >= 2  # pass@k needs two samples per group
+        uids = b["uids"][keep.numpy()]
+        want, _ = core_algos.compute_grpo_passk_outcome_advantage(
+            b["outcome"][keep], b["mask"][keep], uids, config=algo(norm_adv_by_std_in_grpo=scale)
+        )
+        got = d.passk_advantages(b["scores"][keep], b["ids"][keep], scale=scale)
+        torch.testing.assert_close(got[:, None] * b["mask"][keep], want, rtol=1e-9, atol=1e-12)
