@@ -161,6 +161,16 @@ VARIANTS: list[tuple[str, str, dict[str, Any], dict[str, Any], Any]] = [
         {},
         _with_is(1),
     ),
+    ("cispo", "cispo", {"epsilon_high": 5.0}, {}, _with_old),
+    ("cispo+cap-1.5+beta", "cispo", {"epsilon_high": 1.5, "beta": 0.04}, {}, _with_ref),
+    ("sapo", "sapo", {}, {}, _with_old),
+    (
+        "sapo+temperatures",
+        "sapo",
+        {},
+        {"sapo_temperature_pos": 2.0, "sapo_temperature_neg": 0.5},
+        _with_old,
+    ),
 ]
 
 
@@ -298,7 +308,8 @@ def test_unsupported_settings_are_refused(tmp_path: Any) -> None:
     from dapo_ops.integrations.trl import DapoGRPOTrainer
 
     for overrides in [
-        {"loss_type": "cispo"},
+        {"loss_type": "vespo"},
+        {"loss_type": "cispo", "epsilon_high": 0.28},
         {"importance_sampling_level": "sequence", "loss_type": "grpo"},
         {"delta": 1.1},
     ]:

@@ -30,8 +30,9 @@ from torch import Tensor
 from dapo_ops._validate import InputError
 from dapo_ops.aggregation import AggregationMode, token_level_aggregate
 from dapo_ops.diagnostics import PolicyDiagnostics
-from dapo_ops.kl import kl_penalty
-from dapo_ops.loss import token_level_loss
+from dapo_ops.kl import KLPenalty, kl_penalty
+from dapo_ops.objectives import CISPO, SAPO, ClipHigher, Objective
+from dapo_ops.policy import policy_loss_with_diagnostics
 from dapo_ops.rewards import overlong_reward
 from dapo_ops.surrogate import LOG_RATIO_CLAMP
 
@@ -41,6 +42,8 @@ TRL_LOSS_TYPES: dict[str, AggregationMode] = {
     "bnpo": "token_mean",
     "grpo": "seq_mean_token_mean",
     "dr_grpo": "seq_mean_token_sum_norm",
+    "cispo": "token_mean",
+    "sapo": "seq_mean_token_mean",
 }
 
 # Model-input keys TRL forwards to ``_get_per_token_logps_and_entropies`` (VLM fields).
@@ -70,24 +73,24 @@ def trl_normalizer(
 ) -> Tensor | float:
     """The ``normalizer=`` that makes :func:`dapo_ops.token_level_loss` equal TRL's ``loss_type``.
 
-    ``"dapo"``: TRL's ``num_items_in_batch`` is the loss-token count of the whole
+    ``"dapo"`` and ``"cispo"``: TRL's ``num_items_in_batch`` is the loss-token count of the whole
     generation batch over all processes; one accumulation window holds
     ``accumulation_steps / steps_per_generation`` of it, and DDP averages over processes,
     so the normaliser is ``N / num_processes * accumulation_steps / steps_per_generation``
     (``N / num_processes`` in eval). With TRL's default ``steps_per_generation ==
     gradient_accumulation_steps`` this is exactly :func:`dapo_ops.global_normalizer` over
     the step's micro-batches. ``"bnpo"``: this micro-batch's token count times the
-    accumulation steps. ``"grpo"`` / ``"dr_grpo"``: all rows of the micro-batch (fully
+    accumulation steps. ``"grpo"``, ``"sapo"``, ``"dr_grpo"``: all rows of the micro-batch (fully
     masked ones included) times the accumulation steps. Counts are clamped to >= 1 as TRL
     does.
     """
     if loss_type not in TRL_LOSS_TYPES:
         raise InputError(f"loss_type must be one of {sorted(TRL_LOSS_TYPES)}, got {loss_type!r}")
     accum = accumulation_steps if training else 1
-    if loss_type == "dapo":
+    if loss_type in ("dapo", "cispo"):
         if num_items_in_batch is None:
             raise InputError(
-                "loss_type='dapo' needs num_items_in_batch (TRL puts it in the inputs)"
+                f"loss_type={loss_type!r} needs num_items_in_batch (TRL puts it in the inputs)"
             )
         total = torch.as_tensor(num_items_in_batch, dtype=torch.float64).clamp(min=1.0)
         norm = total / num_processes
@@ -95,6 +98,48 @@ def trl_normalizer(
     if loss_type == "bnpo":
         return mask.sum().to(torch.float64).clamp(min=1.0) * accum
     return float(max(mask.shape[0], 1) * accum)
+
+
+def trl_objective(
+    loss_type: str,
+    *,
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.28,
+    delta: float | None = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+) -> Objective:
+    """The objective value of TRL's ``loss_type`` with TRL's option names.
+
+    ``dapo``/``bnpo``/``grpo``/``dr_grpo``: :class:`ClipHigher` (``delta`` as its dual
+    clip); ``cispo``: :class:`CISPO` with TRL's cap ``epsilon_high`` (TRL clamps the
+    ratio at ``epsilon_high`` itself, not at ``1 + epsilon_high``, and from above only);
+    ``sapo``: :class:`SAPO` with the two temperatures.
+
+    Example:
+        >>> trl_objective("cispo", epsilon_high=5.0)
+        CISPO(log_ratio_clamp=20.0, eps_low=1.0, eps_high=4.0)
+    """
+    if loss_type not in TRL_LOSS_TYPES:
+        raise InputError(
+            f"loss_type={loss_type!r} is not reproduced by dapo_ops; supported: {sorted(TRL_LOSS_TYPES)}"
+        )
+    if loss_type in ("cispo", "sapo"):
+        if delta is not None:
+            raise InputError(f"delta applies to TRL's clipped loss types, not {loss_type!r}")
+        if loss_type == "sapo":
+            return SAPO(tau_pos=sapo_temperature_pos, tau_neg=sapo_temperature_neg)
+        if not epsilon_high >= 1.0:
+            raise InputError(
+                f"loss_type='cispo' caps the ratio at epsilon_high={epsilon_high}; dapo_ops "
+                "needs a cap >= 1 (TRL recommends 5.0)"
+            )
+        return CISPO(eps_low=1.0, eps_high=epsilon_high - 1.0)
+    if delta is not None and not delta > 1.0 + epsilon_high:
+        raise InputError(
+            f"delta={delta} must be > 1 + epsilon_high={1.0 + epsilon_high} to map to dual_clip"
+        )
+    return ClipHigher(eps_low=epsilon_low, eps_high=epsilon_high, dual_clip=delta)
 
 
 def trl_policy_loss(
@@ -117,8 +162,10 @@ def trl_policy_loss(
     ref_per_token_logps: Tensor | None = None,
     use_bias_correction_kl: bool = True,
     importance_sampling_ratio: Tensor | None = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
 ) -> tuple[Tensor, PolicyDiagnostics]:
-    """``GRPOTrainer``'s policy loss for ``loss_type`` in ``dapo/bnpo/grpo/dr_grpo``, via dapo_ops.
+    """``GRPOTrainer``'s policy loss for a ``loss_type`` of :data:`TRL_LOSS_TYPES`, via dapo_ops.
 
     The arguments are TRL's names: ``per_token_logps`` etc. ``[B, T]``, ``advantages``
     ``[B]`` or ``[B, T]``, ``mask`` the completion (times tool) mask. ``delta`` (TRL's
@@ -135,14 +182,14 @@ def trl_policy_loss(
     (TRL does not), so the two differ only for tokens whose probability moved by a factor
     above e^20 since sampling, where TRL's value overflows.
     """
-    if loss_type not in TRL_LOSS_TYPES:
-        raise InputError(
-            f"loss_type={loss_type!r} is not reproduced by dapo_ops; supported: {sorted(TRL_LOSS_TYPES)}"
-        )
-    if delta is not None and not delta > 1.0 + epsilon_high:
-        raise InputError(
-            f"delta={delta} must be > 1 + epsilon_high={1.0 + epsilon_high} to map to dual_clip"
-        )
+    objective = trl_objective(
+        loss_type,
+        epsilon_low=epsilon_low,
+        epsilon_high=epsilon_high,
+        delta=delta,
+        sapo_temperature_pos=sapo_temperature_pos,
+        sapo_temperature_neg=sapo_temperature_neg,
+    )
     mode = TRL_LOSS_TYPES[loss_type]
     if loss_type == "dr_grpo" and max_completion_length is None:
         raise InputError("loss_type='dr_grpo' needs max_completion_length (its constant L)")
@@ -162,22 +209,18 @@ def trl_policy_loss(
         is_weights = importance_sampling_ratio.expand_as(per_token_logps)
     max_len = max_completion_length if mode == "seq_mean_token_sum_norm" else None
     kl_in_loss = beta != 0.0 and not use_bias_correction_kl
-    loss, diagnostics = token_level_loss(
+    loss, diagnostics = policy_loss_with_diagnostics(
+        objective,
         per_token_logps,
         old_per_token_logps,
         advantages,
         mask,
-        eps_low=epsilon_low,
-        eps_high=epsilon_high,
         mode=mode,
         normalizer=normalizer,
-        dual_clip=delta,
         max_len=max_len,
         ref_logp=ref_per_token_logps if kl_in_loss else None,
-        kl_beta=beta if kl_in_loss else 0.0,
-        kl_estimator="k3",
+        kl=KLPenalty(beta=beta, estimator="k3") if kl_in_loss else None,
         is_weights=is_weights,
-        return_diagnostics=True,
     )
     if beta != 0.0 and ref_per_token_logps is not None and use_bias_correction_kl:
         kl = kl_penalty(per_token_logps, ref_per_token_logps, mask, estimator="k3")
@@ -241,7 +284,12 @@ def unsupported_settings(trainer: Any) -> list[str]:
     if getattr(trainer, "aux_loss_enabled", False):
         problems.append("router_aux_loss_coef (MoE aux loss)")
     delta = getattr(args, "delta", None)
-    if delta is not None and not delta > 1.0 + trainer.epsilon_high:
+    if trainer.loss_type in ("cispo", "sapo"):
+        if trainer.loss_type == "cispo" and not trainer.epsilon_high >= 1.0:
+            problems.append(f"loss_type='cispo' with epsilon_high={trainer.epsilon_high} < 1")
+        if delta is not None:
+            problems.append(f"delta={delta} with loss_type={trainer.loss_type!r} (TRL ignores it)")
+    elif delta is not None and not delta > 1.0 + trainer.epsilon_high:
         problems.append(f"delta={delta} <= 1 + epsilon_high")
     return problems
 
@@ -290,8 +338,22 @@ def _dapo_compute_loss(trainer: Any, model: Any, inputs: dict[str, Any]) -> Tens
         ref_per_token_logps=inputs.get("ref_per_token_logps"),
         use_bias_correction_kl=bool(getattr(trainer.args, "use_bias_correction_kl", False)),
         importance_sampling_ratio=inputs["importance_sampling_ratio"] if use_is else None,
+        sapo_temperature_pos=float(getattr(trainer.args, "sapo_temperature_pos", 1.0)),
+        sapo_temperature_neg=float(getattr(trainer.args, "sapo_temperature_neg", 1.05)),
     )
-    _log_metrics(trainer, "train" if training else "eval", mask, entropies, diag)
+    mode = "train" if training else "eval"
+    _log_metrics(trainer, mode, mask, entropies, diag)
+    if trainer.loss_type == "cispo":  # TRL's metric: capped tokens with a positive advantage
+        with torch.no_grad():
+            log_ratio = torch.where(mask != 0, per_token_logps - old, 0.0)
+            adv = inputs["advantages"]
+            adv = adv.unsqueeze(-1) if adv.ndim == 1 else adv
+            capped = (log_ratio.exp() > trainer.epsilon_high) & (adv > 0) & (mask != 0)
+            totals = torch.stack([capped.sum(), (mask != 0).sum()]).to(torch.float64)
+            totals = trainer.accelerator.reduce(totals, reduction="sum")
+            trainer._metrics[mode]["cispo_clip_ratio"].append(
+                float(totals[0] / totals[1].clamp(min=1.0))
+            )
     return loss
 
 
@@ -299,7 +361,8 @@ def _dapo_compute_loss(trainer: Any, model: Any, inputs: dict[str, Any]) -> Tens
 def _log_metrics(
     trainer: Any, mode: str, mask: Tensor, entropies: Tensor, diag: PolicyDiagnostics
 ) -> None:
-    """TRL's entropy and clip-ratio metrics (same names), from dapo_ops' diagnostics."""
+    """TRL's entropy and clip-ratio metrics (same names), from dapo_ops' diagnostics; the
+    clip ratios only for the loss types TRL logs them for (not cispo, sapo)."""
     valid = mask.bool()
     entropy_sum = torch.where(valid, entropies, torch.zeros_like(entropies)).sum()
     totals = torch.stack(
@@ -314,6 +377,8 @@ def _log_metrics(
     count = totals[1].clamp(min=1.0)
     metrics = trainer._metrics[mode]
     metrics["entropy"].append(float(totals[0] / count))
+    if trainer.loss_type in ("cispo", "sapo"):
+        return
     metrics["clip_ratio/low_mean"].append(float(totals[2] / count))
     metrics["clip_ratio/high_mean"].append(float(totals[3] / count))
     metrics["clip_ratio/region_mean"].append(float((totals[2] + totals[3]) / count))
@@ -326,7 +391,8 @@ def _build_trainer_class() -> type:
         """``trl.GRPOTrainer`` whose policy loss is computed by :func:`dapo_ops.token_level_loss`.
 
         Same constructor and config as ``GRPOTrainer``. Supported ``loss_type``: ``"dapo"``
-        (default; the global token normaliser), ``"bnpo"``, ``"grpo"``, ``"dr_grpo"``; with
+        (default; the global token normaliser), ``"bnpo"``, ``"grpo"``, ``"dr_grpo"``,
+        ``"cispo"`` (cap ``epsilon_high`` >= 1) and ``"sapo"`` (its two temperatures); with
         ``epsilon``/``epsilon_high`` (Clip-Higher), ``beta`` (k3 KL), ``delta`` (dual clip),
         ``mask_truncated_completions`` and vLLM importance-sampling correction. Settings it
         does not reproduce (other loss types, sequence-level importance sampling, entropy
@@ -370,6 +436,7 @@ __all__ = [
     "TRL_LOSS_TYPES",
     "OverlongReward",
     "trl_normalizer",
+    "trl_objective",
     "trl_policy_loss",
     "unsupported_settings",
 ]
