@@ -107,3 +107,11 @@ def test_site_loads_nothing_from_another_host() -> None:
             text = page.read_text(errors="ignore")
             remote = re.findall(r'<(?:script[^>]*src|link[^>]*href)="(https?://[^"]+)"', text)
             assert not remote, f"{page.relative_to(site)} loads {remote}"
+
+
+def test_comparison_page_is_generated_from_the_registry() -> None:
+    """docs/comparison.md is what `python -m tools.feature_table` writes today."""
+    from dapo_ops.integrations.peers import markdown_table
+
+    page = DOCS / "comparison.md"
+    assert page.read_text() == markdown_table(), "stale: run python -m tools.feature_table"
