@@ -30,6 +30,8 @@ pytestmark = [
 WORDS = ["<pad>", "<bos>", "<eos>", "<unk>", *[str(i) for i in range(10)], "+", "=", "a", "b"]
 MAX_COMPLETION = 8
 CLIP_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+#: the metric TRL logs instead of the clip ratios for these loss types
+OWN_METRICS = {"cispo": ("cispo_clip_ratio",), "vespo": ("vespo/phi_seq_mean",), "sapo": ()}
 
 
 def tiny_tokenizer() -> Any:
@@ -171,6 +173,23 @@ VARIANTS: list[tuple[str, str, dict[str, Any], dict[str, Any], Any]] = [
         {"sapo_temperature_pos": 2.0, "sapo_temperature_neg": 0.5},
         _with_old,
     ),
+    ("vespo", "vespo", {}, {}, _with_old),
+    (
+        "vespo+shape",
+        "vespo",
+        {},
+        {"vespo_k_pos": 1.5, "vespo_lambda_pos": 1.0, "vespo_k_neg": 2.0, "vespo_lambda_neg": 4.0},
+        _with_old,
+    ),
+    ("luspo", "luspo", {"importance_sampling_level": "sequence"}, {}, _with_old),
+    ("grpo+sequence-level", "grpo", {"importance_sampling_level": "sequence"}, {}, _with_old),
+    (
+        "dapo+sequence-level+beta",
+        "dapo",
+        {"importance_sampling_level": "sequence", "beta": 0.04},
+        {},
+        _with_ref,
+    ),
 ]
 
 
@@ -219,7 +238,8 @@ def test_dapo_grpo_trainer_trains_and_matches_trl(tmp_path: Any) -> None:
             try:
                 batch = transform(inputs, logps)
                 ours = DapoGRPOTrainer.compute_loss(trainer, model, batch)
-                metrics = {k: trainer._metrics["train"][k][-1] for k in CLIP_METRICS}
+                keys = OWN_METRICS.get(loss_type, CLIP_METRICS)
+                metrics = {k: trainer._metrics["train"][k][-1] for k in keys}
                 theirs = GRPOTrainer.compute_loss(trainer, model, batch)
                 metrics_trl = {k: trainer._metrics["train"][k][-1] for k in metrics}
                 g_ours = torch.autograd.grad(ours, params)
@@ -308,9 +328,9 @@ def test_unsupported_settings_are_refused(tmp_path: Any) -> None:
     from dapo_ops.integrations.trl import DapoGRPOTrainer
 
     for overrides in [
-        {"loss_type": "vespo"},
         {"loss_type": "cispo", "epsilon_high": 0.28},
-        {"importance_sampling_level": "sequence", "loss_type": "grpo"},
+        {"loss_type": "sapo", "delta": 3.0},
+        {"importance_sampling_level": "sequence", "loss_type": "grpo", "delta": 3.0},
         {"delta": 1.1},
     ]:
         with pytest.raises(ValueError, match="does not reproduce"):

@@ -106,7 +106,7 @@ _TRL_OPTIONS = {
     "top_entropy_quantile": ("", "entropy-quantile token mask not built yet"),
     "off_policy_mask_threshold": ("", "not built yet"),
     "entropy_coef / use_adaptive_entropy": ("", "entropy bonus not built yet"),
-    "importance_sampling_level=sequence": ("GSPO()", "objective; DapoGRPOTrainer refuses it"),
+    "importance_sampling_level=sequence": ("GSPO via trl_objective; DapoGRPOTrainer", ""),
 }
 
 

@@ -27,11 +27,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dapo_ops._engine import policy_tensors, token_inputs
 from dapo_ops._validate import InputError
 from dapo_ops.aggregation import AggregationMode, token_level_aggregate
 from dapo_ops.diagnostics import PolicyDiagnostics
 from dapo_ops.kl import KLPenalty, kl_penalty
-from dapo_ops.objectives import CISPO, SAPO, ClipHigher, Objective
+from dapo_ops.objectives import CISPO, GSPO, SAPO, VESPO, ClipHigher, Objective
 from dapo_ops.policy import policy_loss_with_diagnostics
 from dapo_ops.rewards import overlong_reward
 from dapo_ops.surrogate import LOG_RATIO_CLAMP
@@ -44,6 +45,8 @@ TRL_LOSS_TYPES: dict[str, AggregationMode] = {
     "dr_grpo": "seq_mean_token_sum_norm",
     "cispo": "token_mean",
     "sapo": "seq_mean_token_mean",
+    "vespo": "token_mean",
+    "luspo": "seq_mean_token_sum",
 }
 
 # Model-input keys TRL forwards to ``_get_per_token_logps_and_entropies`` (VLM fields).
@@ -87,7 +90,7 @@ def trl_normalizer(
     if loss_type not in TRL_LOSS_TYPES:
         raise InputError(f"loss_type must be one of {sorted(TRL_LOSS_TYPES)}, got {loss_type!r}")
     accum = accumulation_steps if training else 1
-    if loss_type in ("dapo", "cispo"):
+    if loss_type in ("dapo", "cispo", "vespo"):
         if num_items_in_batch is None:
             raise InputError(
                 f"loss_type={loss_type!r} needs num_items_in_batch (TRL puts it in the inputs)"
@@ -100,46 +103,69 @@ def trl_normalizer(
     return float(max(mask.shape[0], 1) * accum)
 
 
-def trl_objective(
-    loss_type: str,
-    *,
-    epsilon_low: float = 0.2,
-    epsilon_high: float = 0.28,
-    delta: float | None = None,
-    sapo_temperature_pos: float = 1.0,
-    sapo_temperature_neg: float = 1.05,
-) -> Objective:
-    """The objective value of TRL's ``loss_type`` with TRL's option names.
+def _option(config: Any, name: str, default: Any) -> Any:
+    value = config.get(name) if isinstance(config, dict) else getattr(config, name, None)
+    return default if value is None else value
 
-    ``dapo``/``bnpo``/``grpo``/``dr_grpo``: :class:`ClipHigher` (``delta`` as its dual
-    clip); ``cispo``: :class:`CISPO` with TRL's cap ``epsilon_high`` (TRL clamps the
-    ratio at ``epsilon_high`` itself, not at ``1 + epsilon_high``, and from above only);
-    ``sapo``: :class:`SAPO` with the two temperatures.
+
+def trl_objective(loss_type: str, config: Any = None) -> Objective:
+    """The objective value of TRL's ``loss_type``, reading TRL's option names from ``config``.
+
+    ``config`` is anything with TRL's attribute names (the trainer, its ``GRPOConfig``, a
+    dict): ``epsilon_low``/``epsilon_high`` (else ``epsilon``), ``delta``,
+    ``importance_sampling_level``, ``sapo_temperature_pos``/``_neg``, ``vespo_k_pos``,
+    ``vespo_lambda_pos``, ``vespo_k_neg``, ``vespo_lambda_neg``; missing ones take TRL's
+    defaults. ``dapo``/``bnpo``/``grpo``/``dr_grpo``: :class:`ClipHigher` (``delta`` as
+    its dual clip), or :class:`GSPO` with ``importance_sampling_level="sequence"``;
+    ``luspo``: :class:`GSPO`; ``cispo``: :class:`CISPO` with TRL's cap ``epsilon_high``
+    (TRL clamps the ratio at ``epsilon_high`` itself, from above only); ``sapo``:
+    :class:`SAPO`; ``vespo``: :class:`VESPO`.
 
     Example:
-        >>> trl_objective("cispo", epsilon_high=5.0)
+        >>> trl_objective("cispo", {"epsilon_high": 5.0})
         CISPO(log_ratio_clamp=20.0, eps_low=1.0, eps_high=4.0)
     """
     if loss_type not in TRL_LOSS_TYPES:
         raise InputError(
             f"loss_type={loss_type!r} is not reproduced by dapo_ops; supported: {sorted(TRL_LOSS_TYPES)}"
         )
-    if loss_type in ("cispo", "sapo"):
+    eps = float(_option(config, "epsilon", 0.2))
+    low = float(_option(config, "epsilon_low", eps))
+    high = float(_option(config, "epsilon_high", eps))
+    delta = _option(config, "delta", None)
+    level = _option(config, "importance_sampling_level", "token")
+    sequence = level == "sequence" or loss_type == "luspo"
+    if loss_type in ("cispo", "sapo", "vespo"):
         if delta is not None:
             raise InputError(f"delta applies to TRL's clipped loss types, not {loss_type!r}")
-        if loss_type == "sapo":
-            return SAPO(tau_pos=sapo_temperature_pos, tau_neg=sapo_temperature_neg)
-        if not epsilon_high >= 1.0:
-            raise InputError(
-                f"loss_type='cispo' caps the ratio at epsilon_high={epsilon_high}; dapo_ops "
-                "needs a cap >= 1 (TRL recommends 5.0)"
-            )
-        return CISPO(eps_low=1.0, eps_high=epsilon_high - 1.0)
-    if delta is not None and not delta > 1.0 + epsilon_high:
-        raise InputError(
-            f"delta={delta} must be > 1 + epsilon_high={1.0 + epsilon_high} to map to dual_clip"
+        if level != "token":
+            raise InputError(f"loss_type={loss_type!r} takes importance_sampling_level='token'")
+    if loss_type == "sapo":
+        tau_pos = float(_option(config, "sapo_temperature_pos", 1.0))
+        return SAPO(tau_pos=tau_pos, tau_neg=float(_option(config, "sapo_temperature_neg", 1.05)))
+    if loss_type == "vespo":
+        return VESPO(
+            k_pos=float(_option(config, "vespo_k_pos", 2.0)),
+            lambda_pos=float(_option(config, "vespo_lambda_pos", 3.0)),
+            k_neg=float(_option(config, "vespo_k_neg", 3.0)),
+            lambda_neg=float(_option(config, "vespo_lambda_neg", 2.0)),
         )
-    return ClipHigher(eps_low=epsilon_low, eps_high=epsilon_high, dual_clip=delta)
+    if loss_type == "cispo":
+        if not high >= 1.0:
+            raise InputError(
+                f"loss_type='cispo' caps the ratio at epsilon_high={high}; dapo_ops needs a "
+                "cap >= 1 (TRL recommends 5.0)"
+            )
+        return CISPO(eps_low=1.0, eps_high=high - 1.0)
+    if sequence:
+        if delta is not None:
+            raise InputError("delta (a token-ratio cap) does not apply to sequence-level ratios")
+        return GSPO(eps_low=low, eps_high=high)
+    if delta is not None and not delta > 1.0 + high:
+        raise InputError(
+            f"delta={delta} must be > 1 + epsilon_high={1.0 + high} to map to dual_clip"
+        )
+    return ClipHigher(eps_low=low, eps_high=high, dual_clip=delta)
 
 
 def trl_policy_loss(
@@ -162,8 +188,7 @@ def trl_policy_loss(
     ref_per_token_logps: Tensor | None = None,
     use_bias_correction_kl: bool = True,
     importance_sampling_ratio: Tensor | None = None,
-    sapo_temperature_pos: float = 1.0,
-    sapo_temperature_neg: float = 1.05,
+    objective: Objective | None = None,
 ) -> tuple[Tensor, PolicyDiagnostics]:
     """``GRPOTrainer``'s policy loss for a ``loss_type`` of :data:`TRL_LOSS_TYPES`, via dapo_ops.
 
@@ -182,14 +207,9 @@ def trl_policy_loss(
     (TRL does not), so the two differ only for tokens whose probability moved by a factor
     above e^20 since sampling, where TRL's value overflows.
     """
-    objective = trl_objective(
-        loss_type,
-        epsilon_low=epsilon_low,
-        epsilon_high=epsilon_high,
-        delta=delta,
-        sapo_temperature_pos=sapo_temperature_pos,
-        sapo_temperature_neg=sapo_temperature_neg,
-    )
+    if objective is None:
+        options = {"epsilon_low": epsilon_low, "epsilon_high": epsilon_high, "delta": delta}
+        objective = trl_objective(loss_type, options)
     mode = TRL_LOSS_TYPES[loss_type]
     if loss_type == "dr_grpo" and max_completion_length is None:
         raise InputError("loss_type='dr_grpo' needs max_completion_length (its constant L)")
@@ -227,6 +247,9 @@ def trl_policy_loss(
         # `where`, not a product: garbage at masked positions must not reach the gradient.
         delta_logp = torch.where(mask != 0, per_token_logps - old_per_token_logps, 0.0)
         log_ratio = delta_logp.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        if objective.level == "sequence":  # TRL weights by the (differentiable) sequence ratio
+            count = (mask != 0).sum(dim=-1, keepdim=True).clamp(min=1).to(log_ratio.dtype)
+            log_ratio = log_ratio.sum(dim=-1, keepdim=True) / count
         weighted = beta * kl * torch.exp(log_ratio.to(kl.dtype))
         loss = loss + token_level_aggregate(
             weighted, mask, mode=mode, normalizer=normalizer, max_len=max_len
@@ -269,12 +292,21 @@ class OverlongReward:
 
 def unsupported_settings(trainer: Any) -> list[str]:
     """The trainer settings :class:`DapoGRPOTrainer` does not reproduce (empty when all are)."""
-    args = trainer.args
     problems = []
     if trainer.loss_type not in TRL_LOSS_TYPES:
         problems.append(f"loss_type={trainer.loss_type!r} (supported: {sorted(TRL_LOSS_TYPES)})")
-    if getattr(trainer, "importance_sampling_level", "token") != "token":
-        problems.append(f"importance_sampling_level={trainer.importance_sampling_level!r}")
+    else:
+        try:
+            trl_objective(trainer.loss_type, trl_options(trainer))
+        except InputError as err:
+            problems.append(str(err))
+    vllm_is = getattr(trainer, "use_vllm", False) and getattr(
+        trainer, "vllm_importance_sampling_correction", False
+    )
+    if trainer.loss_type == "vespo" and vllm_is:
+        problems.append(
+            "vLLM importance-sampling correction with loss_type='vespo' (folded into phi)"
+        )
     if getattr(trainer, "off_policy_mask_threshold", None) is not None:
         problems.append("off_policy_mask_threshold")
     if getattr(trainer, "top_entropy_quantile", 1.0) < 1.0:
@@ -283,15 +315,26 @@ def unsupported_settings(trainer: Any) -> list[str]:
         problems.append("entropy_coef / use_adaptive_entropy")
     if getattr(trainer, "aux_loss_enabled", False):
         problems.append("router_aux_loss_coef (MoE aux loss)")
-    delta = getattr(args, "delta", None)
-    if trainer.loss_type in ("cispo", "sapo"):
-        if trainer.loss_type == "cispo" and not trainer.epsilon_high >= 1.0:
-            problems.append(f"loss_type='cispo' with epsilon_high={trainer.epsilon_high} < 1")
-        if delta is not None:
-            problems.append(f"delta={delta} with loss_type={trainer.loss_type!r} (TRL ignores it)")
-    elif delta is not None and not delta > 1.0 + trainer.epsilon_high:
-        problems.append(f"delta={delta} <= 1 + epsilon_high")
     return problems
+
+
+def trl_options(trainer: Any) -> dict[str, Any]:
+    """The trainer's options that :func:`trl_objective` reads, under TRL's names."""
+    args = trainer.args
+    names = (
+        "delta",
+        "sapo_temperature_pos",
+        "sapo_temperature_neg",
+        "vespo_k_pos",
+        "vespo_lambda_pos",
+        "vespo_k_neg",
+        "vespo_lambda_neg",
+    )
+    options = {name: getattr(args, name, None) for name in names}
+    options["epsilon_low"] = trainer.epsilon_low
+    options["epsilon_high"] = trainer.epsilon_high
+    options["importance_sampling_level"] = getattr(trainer, "importance_sampling_level", "token")
+    return options
 
 
 def _check_supported(trainer: Any) -> None:
@@ -319,6 +362,7 @@ def _dapo_compute_loss(trainer: Any, model: Any, inputs: dict[str, Any]) -> Tens
     old = per_token_logps.detach() if old is None else old
     training = bool(trainer.model.training)
     use_is = bool(trainer.use_vllm and trainer.vllm_importance_sampling_correction)
+    objective = trl_objective(trainer.loss_type, trl_options(trainer))
     loss, diag = trl_policy_loss(
         per_token_logps,
         old,
@@ -338,11 +382,32 @@ def _dapo_compute_loss(trainer: Any, model: Any, inputs: dict[str, Any]) -> Tens
         ref_per_token_logps=inputs.get("ref_per_token_logps"),
         use_bias_correction_kl=bool(getattr(trainer.args, "use_bias_correction_kl", False)),
         importance_sampling_ratio=inputs["importance_sampling_ratio"] if use_is else None,
-        sapo_temperature_pos=float(getattr(trainer.args, "sapo_temperature_pos", 1.0)),
-        sapo_temperature_neg=float(getattr(trainer.args, "sapo_temperature_neg", 1.05)),
+        objective=objective,
     )
     mode = "train" if training else "eval"
-    _log_metrics(trainer, mode, mask, entropies, diag)
+    row_clips = None
+    if objective.level == "sequence":
+        with torch.no_grad():
+            adv = inputs["advantages"]
+            adv = adv.unsqueeze(-1) if adv.ndim == 1 else adv
+            checked, valid, dtype = policy_tensors(per_token_logps, old, adv[:, :1], mask != 0)
+            x = token_inputs(objective, per_token_logps, old, checked, valid, dtype, reference=True)
+            low, high, _ = objective.clipped(x)
+            row_clips = (low.any(dim=-1), high.any(dim=-1))
+    _log_metrics(trainer, mode, mask, entropies, diag, row_clips)
+    if trainer.loss_type == "vespo":  # TRL's metric: phi averaged over every row
+        with torch.no_grad():
+            assert isinstance(objective, VESPO)
+            adv = inputs["advantages"]
+            adv = adv.unsqueeze(-1) if adv.ndim == 1 else adv
+            checked, valid, dtype = policy_tensors(per_token_logps, old, adv[:, :1], mask != 0)
+            x = token_inputs(objective, per_token_logps, old, checked, valid, dtype, reference=True)
+            phi = objective.weight(x)[:, 0]
+            totals = torch.stack([phi.sum(), torch.tensor(float(phi.numel()))]).double()
+            totals = trainer.accelerator.reduce(totals, reduction="sum")
+            trainer._metrics[mode]["vespo/phi_seq_mean"].append(
+                float(totals[0] / totals[1].clamp(min=1.0))
+            )
     if trainer.loss_type == "cispo":  # TRL's metric: capped tokens with a positive advantage
         with torch.no_grad():
             log_ratio = torch.where(mask != 0, per_token_logps - old, 0.0)
@@ -359,29 +424,32 @@ def _dapo_compute_loss(trainer: Any, model: Any, inputs: dict[str, Any]) -> Tens
 
 @torch.no_grad()
 def _log_metrics(
-    trainer: Any, mode: str, mask: Tensor, entropies: Tensor, diag: PolicyDiagnostics
+    trainer: Any,
+    mode: str,
+    mask: Tensor,
+    entropies: Tensor,
+    diag: PolicyDiagnostics,
+    row_clips: tuple[Tensor, Tensor] | None = None,
 ) -> None:
     """TRL's entropy and clip-ratio metrics (same names), from dapo_ops' diagnostics; the
     clip ratios only for the loss types TRL logs them for (not cispo, sapo)."""
     valid = mask.bool()
     entropy_sum = torch.where(valid, entropies, torch.zeros_like(entropies)).sum()
-    totals = torch.stack(
-        [
-            entropy_sum.to(torch.float64),
-            diag.valid_tokens,
-            diag.clipped_low,
-            diag.clipped_high,
-        ]
-    )
+    clip = (diag.valid_tokens, diag.clipped_low, diag.clipped_high)
+    if row_clips is not None:  # TRL counts sequence-level clips per row, empty rows included
+        rows = torch.tensor(float(valid.shape[0]), dtype=torch.float64, device=valid.device)
+        clip = (rows, row_clips[0].sum().double(), row_clips[1].sum().double())
+    totals = torch.stack([entropy_sum.to(torch.float64), valid.sum().to(torch.float64)])
     totals = trainer.accelerator.reduce(totals, reduction="sum")
-    count = totals[1].clamp(min=1.0)
     metrics = trainer._metrics[mode]
-    metrics["entropy"].append(float(totals[0] / count))
-    if trainer.loss_type in ("cispo", "sapo"):
+    metrics["entropy"].append(float(totals[0] / totals[1].clamp(min=1.0)))
+    if trainer.loss_type in ("cispo", "sapo", "vespo"):
         return
-    metrics["clip_ratio/low_mean"].append(float(totals[2] / count))
-    metrics["clip_ratio/high_mean"].append(float(totals[3] / count))
-    metrics["clip_ratio/region_mean"].append(float((totals[2] + totals[3]) / count))
+    counts = trainer.accelerator.reduce(torch.stack(list(clip)), reduction="sum")
+    count = counts[0].clamp(min=1.0)
+    metrics["clip_ratio/low_mean"].append(float(counts[1] / count))
+    metrics["clip_ratio/high_mean"].append(float(counts[2] / count))
+    metrics["clip_ratio/region_mean"].append(float((counts[1] + counts[2]) / count))
 
 
 def _build_trainer_class() -> type:
@@ -437,6 +505,7 @@ __all__ = [
     "OverlongReward",
     "trl_normalizer",
     "trl_objective",
+    "trl_options",
     "trl_policy_loss",
     "unsupported_settings",
 ]

@@ -14,6 +14,7 @@ from dapo_ops.objectives.gmpo import GMPO
 from dapo_ops.objectives.gspo import GSPO
 from dapo_ops.objectives.policy_gradient import PolicyGradient
 from dapo_ops.objectives.sapo import SAPO
+from dapo_ops.objectives.vespo import VESPO
 
 #: Every objective class the library exports (the conformance suite's list).
 OBJECTIVES: tuple[type[Objective], ...] = (
@@ -25,6 +26,7 @@ OBJECTIVES: tuple[type[Objective], ...] = (
     GMPO,
     DRO,
     PolicyGradient,
+    VESPO,
 )
 
 __all__ = [
@@ -35,6 +37,7 @@ __all__ = [
     "GSPO",
     "OBJECTIVES",
     "SAPO",
+    "VESPO",
     "ClipHigher",
     "Clipped",
     "Objective",
