@@ -42,6 +42,7 @@ from dapo_ops.logprobs import (
     token_logprobs_and_entropy,
 )
 from dapo_ops.loss import token_level_loss
+from dapo_ops.masks import high_entropy_mask, off_policy_sequence_mask
 from dapo_ops.objectives import (
     CISPO,
     DPPO,
@@ -94,10 +95,12 @@ __all__ = [
     "group_advantages",
     "gspo_sequence_ratio",
     "gspo_surrogate",
+    "high_entropy_mask",
     "kept_group_fraction",
     "kl_penalty",
     "masked_whiten",
     "objective_diagnostics",
+    "off_policy_sequence_mask",
     "offpolicy_metrics",
     "opo_advantages",
     "overlong_filter",

@@ -173,6 +173,20 @@ VARIANTS: list[tuple[str, str, dict[str, Any], dict[str, Any], Any]] = [
         {"sapo_temperature_pos": 2.0, "sapo_temperature_neg": 0.5},
         _with_old,
     ),
+    ("dapo+top-entropy-20%", "dapo", {"top_entropy_quantile": 0.2}, {}, _with_old),
+    ("grpo+off-policy-mask", "grpo", {"off_policy_mask_threshold": 0.05}, {}, _with_old),
+    (
+        "bnpo+both-selections+vllm-is",
+        "bnpo",
+        {
+            "top_entropy_quantile": 0.5,
+            "off_policy_mask_threshold": 0.05,
+            "use_vllm": True,
+            "vllm_importance_sampling_correction": True,
+        },
+        {},
+        _with_is(-1),
+    ),
     ("vespo", "vespo", {}, {}, _with_old),
     (
         "vespo+shape",

@@ -103,8 +103,8 @@ _ROLLOUT = {
 }
 _TRL_OPTIONS = {
     "delta": ("dual_clip / ClipHigher(dual_clip=delta)", ""),
-    "top_entropy_quantile": ("", "entropy-quantile token mask not built yet"),
-    "off_policy_mask_threshold": ("", "not built yet"),
+    "top_entropy_quantile": ("high_entropy_mask; DapoGRPOTrainer", ""),
+    "off_policy_mask_threshold": ("off_policy_sequence_mask; DapoGRPOTrainer", ""),
     "entropy_coef / use_adaptive_entropy": ("", "entropy bonus not built yet"),
     "importance_sampling_level=sequence": ("GSPO via trl_objective; DapoGRPOTrainer", ""),
 }

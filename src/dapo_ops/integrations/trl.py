@@ -32,6 +32,7 @@ from dapo_ops._validate import InputError
 from dapo_ops.aggregation import AggregationMode, token_level_aggregate
 from dapo_ops.diagnostics import PolicyDiagnostics
 from dapo_ops.kl import KLPenalty, kl_penalty
+from dapo_ops.masks import high_entropy_mask, off_policy_sequence_mask
 from dapo_ops.objectives import CISPO, GSPO, SAPO, VESPO, ClipHigher, Objective
 from dapo_ops.policy import policy_loss_with_diagnostics
 from dapo_ops.rewards import overlong_reward
@@ -307,10 +308,6 @@ def unsupported_settings(trainer: Any) -> list[str]:
         problems.append(
             "vLLM importance-sampling correction with loss_type='vespo' (folded into phi)"
         )
-    if getattr(trainer, "off_policy_mask_threshold", None) is not None:
-        problems.append("off_policy_mask_threshold")
-    if getattr(trainer, "top_entropy_quantile", 1.0) < 1.0:
-        problems.append("top_entropy_quantile < 1")
     if getattr(trainer, "_entropy_bonus_enabled", False):
         problems.append("entropy_coef / use_adaptive_entropy")
     if getattr(trainer, "aux_loss_enabled", False):
@@ -363,6 +360,24 @@ def _dapo_compute_loss(trainer: Any, model: Any, inputs: dict[str, Any]) -> Tens
     training = bool(trainer.model.training)
     use_is = bool(trainer.use_vllm and trainer.vllm_importance_sampling_correction)
     objective = trl_objective(trainer.loss_type, trl_options(trainer))
+    # TRL multiplies the per-token loss (not the counts) by its selections and vLLM's
+    # correction: all three are weights of the objective's term
+    weights = inputs["importance_sampling_ratio"] if use_is else None
+    selections = []
+    threshold = getattr(trainer, "off_policy_mask_threshold", None)
+    if threshold is not None:
+        adv = inputs["advantages"]
+        adv = adv.unsqueeze(-1) if adv.ndim == 1 else adv[:, :1]
+        sampling = inputs.get("sampling_per_token_logps", old)
+        selections.append(
+            off_policy_sequence_mask(adv, per_token_logps, sampling, mask != 0, threshold=threshold)
+        )
+    top = getattr(trainer, "top_entropy_quantile", 1.0)
+    if top < 1.0:
+        selections.append(high_entropy_mask(entropies, mask != 0, top_quantile=top))
+    for selection in selections:
+        w = selection.to(per_token_logps.dtype)
+        weights = w if weights is None else weights * w
     loss, diag = trl_policy_loss(
         per_token_logps,
         old,
@@ -381,7 +396,7 @@ def _dapo_compute_loss(trainer: Any, model: Any, inputs: dict[str, Any]) -> Tens
         beta=trainer.beta,
         ref_per_token_logps=inputs.get("ref_per_token_logps"),
         use_bias_correction_kl=bool(getattr(trainer.args, "use_bias_correction_kl", False)),
-        importance_sampling_ratio=inputs["importance_sampling_ratio"] if use_is else None,
+        importance_sampling_ratio=weights,
         objective=objective,
     )
     mode = "train" if training else "eval"
