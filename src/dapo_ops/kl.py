@@ -42,7 +42,7 @@ class KLPenalty:
 
     Example:
         >>> KLPenalty(beta=0.04)
-        KLPenalty(beta=0.04, estimator='k3', clamp=None, log_ratio_clamp=20.0)
+        KLPenalty(beta=0.04, estimator='k3', clamp=None, log_ratio_clamp=20.0, straight_through=False)
     """
 
     beta: float = 0.04
