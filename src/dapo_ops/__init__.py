@@ -25,11 +25,13 @@ from dapo_ops.diagnostics import (
 from dapo_ops.distributed import global_normalizer
 from dapo_ops.estimators import (
     gae_advantages,
+    gdpo_advantages,
     gpg_advantages,
     masked_whiten,
     opo_advantages,
     passk_advantages,
     reinforce_pp_advantages,
+    remax_advantages,
 )
 from dapo_ops.gspo import gspo_sequence_ratio, gspo_surrogate
 from dapo_ops.importance import rejection_mask, truncated_is_weights
@@ -90,6 +92,7 @@ __all__ = [
     "dynamic_sample_mask",
     "fused_logprobs_entropy",
     "gae_advantages",
+    "gdpo_advantages",
     "global_normalizer",
     "gpg_advantages",
     "group_advantages",
@@ -114,6 +117,7 @@ __all__ = [
     "prompts_to_generate",
     "reinforce_pp_advantages",
     "rejection_mask",
+    "remax_advantages",
     "token_entropy",
     "token_level_aggregate",
     "token_level_loss",

@@ -25,6 +25,7 @@ from dapo_ops._groups import (
 )
 from dapo_ops._rules import compute_dtype, masked
 from dapo_ops._validate import InputError, as_bool_mask, check_float, check_ndim, check_same_shape
+from dapo_ops.advantages import group_advantages
 
 
 def masked_whiten(
@@ -221,3 +222,76 @@ def passk_advantages(
         std = torch.sqrt(dev / torch.where(count > 1, count - 1, 1.0))
         gap = gap / (std + eps)
     return restore(seg, torch.where(chosen, gap[seg.segment], 0.0))
+
+
+def remax_advantages(
+    rewards: Float[Tensor, "batch seq"],
+    baselines: Float[Tensor, " batch"],
+    mask: Bool[Tensor, "batch seq"] | Integer[Tensor, "batch seq"],
+) -> tuple[Float[Tensor, "batch seq"], Float[Tensor, "batch seq"]]:
+    r"""ReMax: the reward-to-go minus the reward of a greedy rollout of the same prompt.
+
+    ``returns[t] = sum_{t' >= t} m r``, ``advantages = returns - b_i`` on valid tokens
+    (``baselines`` ``[batch]``: the greedy response's reward). Returns ``(advantages,
+    returns)``. verl: ``adv_estimator="remax"``.
+
+    Example:
+        >>> adv, ret = remax_advantages(torch.tensor([[0.0, 1.0]]), torch.tensor([0.25]),
+        ...                             torch.tensor([[1, 1]]))
+        >>> adv
+        tensor([[0.7500, 0.7500]])
+    """
+    r, valid = _token_inputs("rewards", rewards, mask)
+    check_float("baselines", baselines)
+    check_ndim("baselines", baselines, 1, "[batch]")
+    if baselines.shape[0] != r.shape[0]:
+        raise InputError(
+            f"baselines must have shape [batch]=[{r.shape[0]}], got {list(baselines.shape)}"
+        )
+    returns = r.flip(-1).cumsum(dim=-1).flip(-1)
+    advantages = masked(valid, returns - baselines.to(r.dtype)[:, None])
+    return advantages, returns
+
+
+def gdpo_advantages(
+    components: Float[Tensor, "batch components"],
+    group_ids: Integer[Tensor, " batch"],
+    mask: Bool[Tensor, "batch seq"] | Integer[Tensor, "batch seq"],
+    *,
+    weights: Float[Tensor, " components"] | None = None,
+    scale: bool = True,
+    eps: float = 1e-6,
+) -> Float[Tensor, "batch seq"]:
+    r"""GDPO: each reward component normalised within its group, summed, then whitened.
+
+    :math:`A = \mathrm{whiten}\big(\sum_k w_k\,\mathrm{GRPO}(s^{(k)})\big)` over the valid
+    tokens, with GRPO's group advantage per component (a one-sample group keeps its raw
+    score, as verl) and ``weights`` (default 1 each). ``components`` ``[batch, K]`` holds
+    one score per sample per reward component. verl: ``adv_estimator="gdpo"`` with
+    ``gdpo_reward_keys``/``gdpo_reward_weights``.
+
+    Example:
+        >>> comp = torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 1.0], [0.0, 1.0]])
+        >>> a = gdpo_advantages(comp, torch.tensor([0, 0, 0, 0]), torch.ones(4, 2, dtype=torch.bool))
+        >>> a.shape
+        torch.Size([4, 2])
+    """
+    check_float("components", components)
+    check_ndim("components", components, 2, "[batch, components]")
+    valid = as_bool_mask("mask", mask, "mask", mask)
+    if valid.shape[0] != components.shape[0]:
+        raise InputError(f"mask has {valid.shape[0]} rows but components has {components.shape[0]}")
+    dtype = compute_dtype(components)
+    k = components.shape[1]
+    w = torch.ones(k, dtype=dtype, device=components.device) if weights is None else weights
+    check_float("weights", w)
+    if w.shape != (k,):
+        raise InputError(f"weights must have shape [components]=[{k}], got {list(w.shape)}")
+    total = torch.zeros(components.shape[0], dtype=dtype, device=components.device)
+    for j in range(k):  # a few reward components, each vectorised over the batch
+        adv = group_advantages(
+            components[:, j], group_ids, scale="group" if scale else "none", eps=eps,
+            singleton="score",
+        )  # fmt: skip
+        total = total + w[j].to(dtype) * adv.to(dtype)
+    return masked_whiten(masked(valid, total[:, None].expand_as(valid).to(dtype)), valid)

@@ -154,3 +154,38 @@ def test_registry_variants_of_grpo_and_rloo(name: str) -> None:
             )
         rtol = 1e-6 if name == "grpo_vectorized" else 1e-7
         torch.testing.assert_close(got[:, None] * b["mask"], want, rtol=rtol, atol=1e-9)
+
+
+def test_remax() -> None:
+    for seed in range(3):
+        b = batch(seed)
+        base = torch.randn(b["mask"].shape[0], generator=torch.Generator().manual_seed(seed))
+        base = base.to(torch.float64)
+        want_a, want_r = core_algos.compute_remax_outcome_advantage(b["dense"], base, b["mask"])
+        got_a, got_r = d.remax_advantages(b["dense"], base, b["mask"].bool())
+        m = b["mask"].bool()
+        torch.testing.assert_close(got_a, want_a, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(got_r[m], want_r[m], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("weights", [None, [0.3, 1.7]])
+def test_gdpo(weights: list[float] | None) -> None:
+    for seed in range(3):
+        b = batch(seed)
+        g = torch.Generator().manual_seed(seed + 10)
+        rows = b["mask"].shape[0]
+        comps = torch.randint(0, 2, (rows, 2), generator=g).to(torch.float64)
+        lengths = b["lengths"]
+        non_tensor = {"fmt": comps[:, 0].numpy(), "acc": comps[:, 1].numpy()}
+        prompts = torch.zeros(rows, 3)
+        attention = torch.cat([torch.ones(rows, 3), b["mask"]], dim=1).long()
+        cfg = algo(gdpo_reward_keys=["fmt", "acc"], gdpo_reward_weights=weights)
+        want, _ = core_algos.compute_gdpo_outcome_advantage(
+            b["outcome"], b["mask"], b["uids"], config=cfg, non_tensor_batch=non_tensor,
+            batch={"prompts": prompts, "attention_mask": attention},
+        )  # fmt: skip
+        w = None if weights is None else torch.tensor(weights, dtype=torch.float64)
+        got = d.gdpo_advantages(comps, b["ids"], b["mask"].bool(), weights=w)
+        assert lengths.shape[0] == rows
+        # verl casts each component to float32 and whitens with its +1e-8 denominators
+        torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-5, atol=1e-6)

@@ -71,8 +71,8 @@ _ESTIMATORS = {
     "rloo_vectorized": "group_advantages(scale='none', baseline='leave_one_out')",
     "opo": "opo_advantages",
     "gpg": "gpg_advantages",
-    "remax": "",
-    "gdpo": "",
+    "remax": "remax_advantages",
+    "gdpo": "gdpo_advantages",
     "optimal_token_baseline": "",
     "tir_optimal_token_baseline": "",
 }
