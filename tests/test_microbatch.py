@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from _bounds import assert_within, func_rel, loss_reference, unit_roundoff
 from _strategies import MODES
 from hypothesis import given
 from hypothesis import strategies as st
@@ -31,6 +32,9 @@ from dapo_ops import (
 MAX_CONTENT = 7  # longest response (valid span) of a row
 MAX_PAD = 3  # extra right padding a micro-batch may carry
 MAX_LEN = MAX_CONTENT + MAX_PAD + 1  # Dr. GRPO's constant L, >= every padded length
+#: Relative error bound of the fixed example's float32 values: one exp (of 0), sums of
+#: exact integers, at most four roundings (see tests/_bounds.py).
+REL = func_rel(torch.float32) + 4 * unit_roundoff(torch.float32)
 
 
 @dataclass
@@ -126,16 +130,9 @@ def loss_of(part: dict[str, torch.Tensor], mode: str, normalizer: object) -> tor
     )
 
 
-def tolerance(dtype: torch.dtype) -> dict[str, float]:
-    return (
-        {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-11, "atol": 1e-12}
-    )
-
-
 @given(split=splits())
 def test_micro_batch_losses_add_up_to_full_batch(split: Split) -> None:
     base, lengths, full_len = build(split)
-    tol = tolerance(split.dtype)
     for mode in MODES:
         leaf = base["logp"].clone().requires_grad_(True)
         t = {**base, "logp": leaf}
@@ -144,6 +141,23 @@ def test_micro_batch_losses_add_up_to_full_batch(split: Split) -> None:
             for (start, stop), seq in zip(split.bounds, lengths, strict=True)
         ]
         full = rows_of(t, 0, len(split.content), full_len)
+        # Every evaluation (full batch, micro-batches, partial pairs) against the exact
+        # full-batch loss and gradient, within the bound of its float32 (float64) math;
+        # the micro-batch losses are summed: up to len(micro) more additions.
+        exact = loss_reference(
+            full["logp"],
+            full["old_logp"],
+            full["advantages"],
+            full["mask"],
+            dtype=split.dtype,
+            extra_terms=len(micro),
+            mode=mode,
+            max_len=MAX_LEN,
+        )
+        grad_exact = torch.zeros_like(leaf, dtype=torch.float64)
+        grad_exact[:, :full_len] = exact.grad
+        grad_err = torch.zeros_like(grad_exact)
+        grad_err[:, :full_len] = exact.grad_err
 
         # Full batch in one call, local count.
         full_loss = loss_of(full, mode, None)
@@ -154,8 +168,10 @@ def test_micro_batch_losses_add_up_to_full_batch(split: Split) -> None:
         micro_losses = [loss_of(m, mode, norm) for m in micro]
         total = torch.stack(micro_losses).sum()
         (micro_grad,) = torch.autograd.grad(total, leaf)
-        torch.testing.assert_close(total, full_loss, **tol)
-        torch.testing.assert_close(micro_grad, full_grad, **tol)
+        assert_within(full_loss, exact.loss, exact.loss_err, f"{mode}: full batch")
+        assert_within(total, exact.loss, exact.loss_err, f"{mode}: sum of micro-batches")
+        assert_within(full_grad, grad_exact, grad_err, f"{mode}: full-batch gradient")
+        assert_within(micro_grad, grad_exact, grad_err, f"{mode}: micro-batch gradient")
         assert torch.isfinite(micro_grad).all()
 
         # Exact (numerator, denominator) pairs add up too.
@@ -170,8 +186,9 @@ def test_micro_batch_losses_add_up_to_full_batch(split: Split) -> None:
         ]
         summed = sum(parts[1:], parts[0])
         assert isinstance(summed, PartialLoss)
-        torch.testing.assert_close(summed.value(), full_loss.detach(), **tol)
-        torch.testing.assert_close(summed.denominator, norm.to(summed.denominator.dtype))
+        assert_within(summed.value(), exact.loss, exact.loss_err, f"{mode}: partial pairs")
+        # denominators are exact counts
+        assert torch.equal(summed.denominator, norm.to(summed.denominator.dtype))
 
 
 def test_naive_local_normaliser_differs_on_uneven_split() -> None:
@@ -224,10 +241,13 @@ def test_naive_local_normaliser_differs_on_uneven_split() -> None:
             results.append((float(total.detach()), (w_a, w_b)))
         (global_loss, global_w), (naive_loss, naive_w) = results
         want_global, want_naive = expected[mode]
-        assert global_loss == pytest.approx(want_global, rel=1e-6)
-        assert naive_loss == pytest.approx(want_naive, rel=1e-6, abs=1e-7)
-        assert global_w == pytest.approx(weights[mode][0], rel=1e-6)
-        assert naive_w == pytest.approx(weights[mode][1], rel=1e-6)
+        # float32: the ratio exp(0) (one function evaluation), sums of +-1 (exact) and at
+        # most four roundings (divisions by counts, * A, the mean of two): rel <= f + 4u.
+        # The naive value (1 - 1) / 2 may cancel: its error is rel times the terms, <= 1.
+        assert global_loss == pytest.approx(want_global, rel=REL)
+        assert naive_loss == pytest.approx(want_naive, rel=REL, abs=REL)
+        assert global_w == pytest.approx(weights[mode][0], rel=REL)
+        assert naive_w == pytest.approx(weights[mode][1], rel=REL)
         assert abs(global_loss - naive_loss) > 0.2 * abs(global_loss)
         # The global path equals the one-call full batch (padding A to 100 tokens).
         full_mask = torch.cat([torch.nn.functional.pad(a_mask, (0, 97)), b_mask])
@@ -237,4 +257,4 @@ def test_naive_local_normaliser_differs_on_uneven_split() -> None:
             mode=mode,
             max_len=max_len,
         )
-        assert float(full_loss) == pytest.approx(global_loss, rel=1e-6)
+        assert float(full_loss) == pytest.approx(want_global, rel=REL)
