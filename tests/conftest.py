@@ -32,6 +32,38 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
+def _inductor_cache_per_cpu_capability() -> None:
+    """Under ``ATEN_CPU_CAPABILITY``, keep inductor's on-disk cache apart for that capability.
+
+    The capability picks the vector ISA of the C++ that inductor generates (AVX-512, AVX2,
+    or none for ``default``), but inductor's cache keys (torch 2.13) do not include it: a
+    graph compiled and cached by a native run is reused by an ``ATEN_CPU_CAPABILITY=default``
+    run, whose headers then lack ``at::vec`` (a C++ compile error), and an AVX-512 kernel
+    reused under ``avx2`` fails when it is called. So a run under an explicit capability
+    gets a subdirectory of its own, below ``TORCHINDUCTOR_CACHE_DIR`` or inductor's default
+    directory; a native run (no ``ATEN_CPU_CAPABILITY``) is left as it is. Set before
+    anything is compiled (inductor reads the variable when it first needs the cache).
+    """
+    capability = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    if not capability:
+        return
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:  # a torch without that (private) helper: its documented default
+
+        def default_cache_dir() -> str:
+            import getpass
+            import tempfile
+
+            return os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+
+    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, f"aten_cpu_capability_{capability}")
+
+
+_inductor_cache_per_cpu_capability()
+
+
 @pytest.fixture
 def no_runtime_typecheck() -> Iterator[None]:
     """Turn the jaxtyping/beartype wrappers into plain calls (for torch.compile tracing).
