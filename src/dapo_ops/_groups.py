@@ -15,7 +15,13 @@ import torch
 from einops import rearrange, repeat
 from torch import Tensor
 
-from dapo_ops._validate import InputError, check_ndim, shape_str
+from dapo_ops._validate import (
+    InputError,
+    check_ndim,
+    check_same_device,
+    check_tensor,
+    shape_str,
+)
 
 
 class Segments(NamedTuple):
@@ -27,6 +33,7 @@ class Segments(NamedTuple):
 
 def segments(name: str, values: Tensor, group_ids: Tensor | None) -> Segments:
     """Flatten ``values`` and give each entry the index of its group."""
+    check_tensor(name, values)
     if group_ids is None:
         if values.ndim != 2:
             raise InputError(
@@ -45,8 +52,8 @@ def segments(name: str, values: Tensor, group_ids: Tensor | None) -> Segments:
         )
         flat = rearrange(values, "groups samples -> (groups samples)")
         return Segments(flat, index, max(groups, 1), (groups, samples))
-    if not isinstance(group_ids, Tensor):
-        raise InputError(f"group_ids must be a torch.Tensor, got {type(group_ids).__name__}")
+    check_tensor("group_ids", group_ids)
+    check_same_device("group_ids", group_ids, name, values)
     check_ndim(name, values, 1, "[batch] when group_ids is given")
     if group_ids.shape != values.shape:
         raise InputError(

@@ -8,6 +8,8 @@ they live only in the per-batch functions and are skipped while compiling.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -19,6 +21,9 @@ class InputError(ValueError, TypeError):
     either catches it. The message names the argument and, for shapes, the shapes involved.
     """
 
+
+#: Largest int64: integer options and counts must fit in it.
+INT64_MAX = 2**63 - 1
 
 MASK_DTYPES_DOC = "torch.bool or an integer dtype holding 0/1 (uint8, int8, int16, int32, int64)"
 
@@ -118,3 +123,46 @@ def check_no_grad(name: str, t: Tensor) -> None:
             f"{name} requires grad, but it is a constant of the objective: a gradient through "
             f"it would silently bend the policy gradient; pass {name}.detach()"
         )
+
+
+def check_real(name: str, value: object) -> float:
+    """A finite real option (int or float, not bool); returns it as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InputError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise InputError(f"{name} must be finite, got {value}")
+    return float(value)
+
+
+def check_int(name: str, value: object, *, low: int) -> int:
+    """An int option (not bool, not float) ``>= low``, that fits in int64."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InputError(f"{name} must be an int >= {low}, got {type(value).__name__} {value!r}")
+    if not low <= value <= INT64_MAX:
+        raise InputError(f"{name} must be an int in [{low}, 2**63 - 1], got {value}")
+    return value
+
+
+def check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise InputError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return value
+
+
+def check_count_dtype(name: str, t: Tensor) -> None:
+    """Counts (lengths): an integer or floating dtype, not bool or complex."""
+    if t.dtype == torch.bool or t.dtype.is_complex:
+        raise InputError(
+            f"{name} must hold integer or float token counts, got {t.dtype}; convert with .long()"
+        )
+
+
+def check_non_negative(name: str, t: Tensor) -> None:
+    """Value check (host sync): finite and >= 0; skipped while tracing under torch.compile."""
+    if is_compiling() or t.numel() == 0:
+        return
+    if t.dtype.is_floating_point:
+        check_finite(name, t)
+    low = t.min()
+    if bool(low < 0):
+        raise InputError(f"{name} must be >= 0, got min {low.item()}")

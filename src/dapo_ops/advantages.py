@@ -9,12 +9,28 @@ from jaxtyping import Float, Integer
 from torch import Tensor
 
 from dapo_ops._groups import restore, segment_count, segment_reduce, segment_sum, segments
-from dapo_ops._validate import InputError, check_finite, check_float, check_option
+from dapo_ops._validate import (
+    InputError,
+    check_bool,
+    check_finite,
+    check_float,
+    check_option,
+    check_real,
+)
 from dapo_ops.aggregation import safe_divide
 
 #: A group (or batch) whose reward std is at most this fraction of its largest |reward| is
 #: treated as zero-variance: its spread is float rounding, not signal (~8 float32 ulps).
 ZERO_STD_RTOL = 1e-6
+
+
+def pow2_scale(m: Tensor) -> Tensor:
+    """The power of two ``2**floor(log2(m))`` of non-negative float64 ``m`` (``m / it`` in
+    [1, 2)), or ``2**-1022`` for zero and subnormal ``m``: read off the exponent bits, so
+    division by it is exact and compiles (no frexp, no log2)."""
+    bits = m.view(torch.int64) & 0x7FF0000000000000
+    scale = bits.view(torch.float64)
+    return torch.where(scale == 0, 2.0**-1022, scale)
 
 
 def group_advantages(
@@ -61,7 +77,16 @@ def group_advantages(
     ``singleton="score"`` reproduces verl: ``R / (1 + eps)``); TRL adds ``1e-4``;
     OpenRLHF ``1e-9``; all accumulate in float32. Pass ``eps`` to reproduce them.
 
-    Dtypes: float32 output (float64 for float64 input). Non-finite rewards raise.
+    Range: each group is divided by a power of two near its largest ``|R|`` before any
+    sum or square (exact, so results are unchanged), hence float64 rewards of any
+    magnitude up to ``1.7e308`` give the right advantages, never an overflowed variance.
+    With ``scale="none"`` the advantage is ``R_i - b_i`` itself, ``inf`` only where that
+    difference exceeds the output dtype's range.
+
+    Dtypes: float32 output (float64 for float64 input). Non-finite rewards raise
+    ``InputError`` (one host sync, skipped under ``torch.compile``); ``rewards`` and
+    ``group_ids`` must be on one device. The result is differentiable in ``rewards``
+    (they are a constant of the policy objective: detach them before the loss).
 
     Example:
         >>> group_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]]))
@@ -74,44 +99,54 @@ def group_advantages(
     check_option("scale", scale, ("group", "batch", "none"))
     check_option("baseline", baseline, ("mean", "leave_one_out"))
     check_option("singleton", singleton, ("zero", "score"))
-    if not (eps >= 0.0 and eps < float("inf")):
+    if not check_real("eps", eps) >= 0.0:
         raise InputError(f"eps must be finite and >= 0, got {eps}")
+    check_bool("unbiased", unbiased)
     seg = segments("rewards", rewards, group_ids)
     check_finite("rewards", rewards)
     out_dtype = torch.float64 if rewards.dtype == torch.float64 else torch.float32
 
     x = seg.values.to(torch.float64)
     count = segment_count(seg, torch.float64)
-    mean = segment_sum(seg, x) / count.clamp(min=1)
-    centered = x - mean[seg.segment]
-    dof = count - 1 if unbiased else count
-    group_var = segment_sum(seg, centered * centered) / dof.clamp(min=1)
-    group_std = group_var.sqrt()
     max_abs = segment_reduce(seg, x.abs(), "amax")
+    # Each group is divided by a power of two near its largest |R| (exact: no rounding),
+    # so that no sum or square can overflow, even for float64 rewards near 1e308; the
+    # advantage is a ratio, in which the scale cancels exactly.
+    g_scale = pow2_scale(max_abs)
+    y = x / g_scale[seg.segment]
+    mean = segment_sum(seg, y) / count.clamp(min=1)
+    centered = y - mean[seg.segment]
+    dof = count - 1 if unbiased else count
+    group_std = (segment_sum(seg, centered * centered) / dof.clamp(min=1)).sqrt()
     single = count == 1
-    degenerate = (count < 2) | (group_std <= ZERO_STD_RTOL * max_abs)
+    degenerate = (count < 2) | (group_std <= ZERO_STD_RTOL * (max_abs / g_scale))
     if singleton == "score":  # verl: a lone sample has mean 0 and std 1
         degenerate = degenerate & ~single
-        group_std = torch.where(single, torch.ones_like(group_std), group_std)
+    score = single[seg.segment] if singleton == "score" else None
 
     if baseline == "mean":
         residual = centered
-        if singleton == "score":
-            residual = torch.where(single[seg.segment], x, residual)
     else:  # R_i - mean_{j != i} R_j = n / (n - 1) * (R_i - mean); exact 0 for equal rewards
         n = count[seg.segment]
         residual = centered * (n / (n - 1).clamp(min=1))
-        if singleton == "score":
-            residual = torch.where(single[seg.segment], x, residual)
+    # residual and group_std are in units of the group's scale
 
     if scale == "group":
-        advantages = safe_divide(residual, group_std[seg.segment] + eps)
+        advantages = safe_divide(residual, (group_std + eps / g_scale)[seg.segment])
+        lone = x / (1.0 + eps)
     elif scale == "batch":
-        batch_centered = x - x.sum() / max(x.numel(), 1)
+        b_scale = pow2_scale(max_abs.amax() if max_abs.numel() else max_abs.new_zeros(()))
+        xb = x / b_scale
+        batch_centered = xb - xb.sum() / max(x.numel(), 1)
         batch_dof = max(x.numel() - 1, 1) if unbiased else max(x.numel(), 1)
         batch_std = ((batch_centered * batch_centered).sum() / batch_dof).sqrt()
-        advantages = safe_divide(residual, batch_std + eps)  # batch std 0 => residuals 0
+        den = batch_std + eps / b_scale  # batch std 0 => residuals 0
+        advantages = safe_divide(residual * (g_scale / b_scale)[seg.segment], den)
+        lone = safe_divide(xb, den)
     else:
-        advantages = residual
+        advantages = residual * g_scale[seg.segment]  # R - b itself (inf only if it is)
+        lone = x
+    if score is not None:
+        advantages = torch.where(score, lone, advantages)
     advantages = torch.where(degenerate[seg.segment], torch.zeros_like(advantages), advantages)
     return restore(seg, advantages.to(out_dtype))

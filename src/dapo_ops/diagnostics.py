@@ -9,7 +9,17 @@ from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
 from dapo_ops._rules import LOG_RATIO_CLAMP
-from dapo_ops._validate import InputError, check_float, check_same_shape
+from dapo_ops._validate import (
+    InputError,
+    check_count_dtype,
+    check_float,
+    check_int,
+    check_ndim,
+    check_non_negative,
+    check_same_device,
+    check_same_shape,
+    check_tensor,
+)
 from dapo_ops.aggregation import safe_divide
 from dapo_ops.objectives import ClipHigher, Objective
 from dapo_ops.sampling import kept_group_counts
@@ -266,22 +276,40 @@ def batch_diagnostics(
     :func:`dynamic_sample_mask` (with the same ``group_ids`` for the flat layout); without
     it the group counts are 0.
 
+    Exact: integer lengths are compared and summed in int64, float lengths in float64
+    (never in the input dtype: a float16 sum would overflow, a float32 one round past
+    ``2**24``). ``max_len`` is an int >= 1; lengths must be finite and >= 0 (one host
+    sync, skipped under ``torch.compile``); anything else raises ``InputError``.
+
     Example:
         >>> d = batch_diagnostics(torch.tensor([5, 20, 7, 20]), max_len=20,
         ...                       keep=torch.tensor([True, False]))
         >>> float(d.kept_group_fraction), float(d.overlong_fraction), float(d.mean_response_length)
         (0.5, 0.5, 13.0)
     """
-    if not isinstance(lengths, Tensor) or lengths.ndim != 1:
-        raise InputError("lengths must be a 1-D tensor [batch] of response token counts")
+    check_int("max_len", max_len, low=1)
+    check_tensor("lengths", lengths)
+    check_ndim("lengths", lengths, 1, "[batch] of response token counts")
+    check_count_dtype("lengths", lengths)
+    check_non_negative("lengths", lengths)
+    if group_ids is not None and keep is None:
+        raise InputError("group_ids was given without keep; pass keep too, or neither")
+    if keep is not None:
+        check_tensor("keep", keep)
+        check_same_device("keep", keep, "lengths", lengths)
+        if group_ids is not None:
+            check_tensor("group_ids", group_ids)
+            check_same_shape("group_ids", group_ids, "lengths", lengths)
     acc = torch.float64  # counts stay exact past 2**24 tokens
     zero = lengths.new_zeros((), dtype=acc)
     kept, groups = (zero, zero) if keep is None else kept_group_counts(keep, group_ids)
     kept, groups = kept.to(acc), groups.to(acc)
+    # floats summed and compared in float64 (no float16 overflow), integers in int64
+    exact = lengths.to(acc if lengths.dtype.is_floating_point else torch.int64)
     return BatchDiagnostics(
         groups=groups,
         groups_kept=kept,
         samples=lengths.new_tensor(lengths.numel(), dtype=acc),
-        overlong_samples=(lengths >= max_len).sum().to(acc),
-        response_tokens=lengths.sum().to(acc),
+        overlong_samples=(exact >= max_len).sum().to(acc),
+        response_tokens=exact.sum().to(acc),
     )

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from einops import rearrange
 from jaxtyping import Bool, Float, Integer
@@ -12,9 +10,13 @@ from torch import Tensor
 from dapo_ops._validate import (
     InputError,
     as_bool_mask,
-    check_finite,
+    check_count_dtype,
+    check_int,
     check_ndim,
-    is_compiling,
+    check_non_negative,
+    check_real,
+    check_same_device,
+    check_tensor,
     shape_str,
 )
 
@@ -45,7 +47,11 @@ def overlong_reward(
     generated token and counts towards the generation cap; so does verl's
     ``response_length`` and TRL's completion mask). Prompt tokens are not counted.
 
-    Shapes: ``lengths [batch]`` (integers or floats, >= 0); returns ``[batch]`` float32.
+    Shapes: ``lengths [batch]`` (integers or floats, finite and >= 0, else
+    ``InputError``); returns ``[batch]`` float32 (float64 for float64 lengths). Exact for
+    any length: integer lengths are compared with the budget in int64 (no rounding through
+    float32 above ``2**24``), float lengths in float64, and the result is rounded once.
+    ``max_len`` and ``cache_len`` are ints (``0 < cache_len <= max_len < 2**63``).
 
     Defaults: the paper uses ``max_len=20480``, ``cache_len=4096`` (expected length
     16384); ``factor=1.0`` is the paper's (verl's ``penalty_factor``).
@@ -54,28 +60,28 @@ def overlong_reward(
         >>> overlong_reward(torch.tensor([10, 16, 18, 20, 25]), max_len=20, cache_len=4)
         tensor([ 0.0000,  0.0000, -0.5000, -1.0000, -1.0000])
     """
-    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len <= 0:
-        raise InputError(f"max_len must be a positive int, got {max_len!r}")
-    if isinstance(cache_len, bool) or not isinstance(cache_len, int):
-        raise InputError(f"cache_len must be an int, got {cache_len!r}")
-    if not 0 < cache_len <= max_len:
+    check_int("max_len", max_len, low=1)
+    check_int("cache_len", cache_len, low=1)
+    if not cache_len <= max_len:
         raise InputError(
             f"cache_len must satisfy 0 < cache_len <= max_len={max_len}, got {cache_len}"
         )
-    if not (math.isfinite(factor) and factor >= 0):
+    if not check_real("factor", factor) >= 0:
         raise InputError(f"factor must be finite and >= 0, got {factor}")
-    if not isinstance(lengths, Tensor):
-        raise InputError(f"lengths must be a torch.Tensor, got {type(lengths).__name__}")
+    check_tensor("lengths", lengths)
     check_ndim("lengths", lengths, 1, "[batch]")
-    if lengths.dtype == torch.bool or lengths.dtype.is_complex:
-        raise InputError(f"lengths must hold integer or float token counts, got {lengths.dtype}")
-    check_finite("lengths", lengths)
-    if not is_compiling() and bool((lengths < 0).any()):
-        raise InputError(f"lengths must be >= 0, got min {lengths.min().item()}")
-    dtype = torch.float64 if lengths.dtype == torch.float64 else torch.float32
+    check_count_dtype("lengths", lengths)
+    check_non_negative("lengths", lengths)
+    out_dtype = torch.float64 if lengths.dtype == torch.float64 else torch.float32
     expected = max_len - cache_len
-    penalty = (expected - lengths.to(dtype)) / cache_len
-    return penalty.clamp(min=-1.0, max=0.0) * factor
+    # (expected - |y|) clamped to [-cache_len, 0]: exact in int64 for integer lengths (no
+    # float32 rounding above 2**24), in float64 for float lengths; then one division.
+    if lengths.dtype.is_floating_point:
+        under = expected - lengths.to(torch.float64)
+    else:
+        under = expected - lengths.to(torch.int64)
+    under = under.clamp(min=-cache_len, max=0)
+    return (under.to(torch.float64) / cache_len * factor).to(out_dtype)
 
 
 def overlong_filter(
@@ -104,16 +110,19 @@ def overlong_filter(
         tensor([[ True,  True,  True],
                 [False, False, False]])
     """
-    if not isinstance(mask, Tensor):
-        raise InputError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
+    check_tensor("mask", mask)
     check_ndim("mask", mask, 2, "[batch, seq]")
     valid = as_bool_mask("mask", mask, "mask", mask)
-    if not isinstance(truncated, Tensor) or truncated.dtype != torch.bool:
-        got = truncated.dtype if isinstance(truncated, Tensor) else type(truncated).__name__
-        raise InputError(f"truncated must be a bool tensor [batch], got {got}")
+    check_tensor("truncated", truncated)
+    if truncated.dtype != torch.bool:
+        raise InputError(
+            f"truncated must be a bool tensor [batch], got {truncated.dtype}; "
+            "pass a 0/1 flag as flag.bool()"
+        )
     if truncated.shape != mask.shape[:1]:
         raise InputError(
             f"truncated must have shape [batch]=[{mask.shape[0]}] to match mask "
             f"{shape_str(mask)}, got {shape_str(truncated)}"
         )
+    check_same_device("truncated", truncated, "mask", mask)
     return valid & ~rearrange(truncated, "batch -> batch 1")

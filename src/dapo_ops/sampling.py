@@ -9,7 +9,14 @@ from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
 from dapo_ops._groups import segment_count, segment_reduce, segments
-from dapo_ops._validate import InputError, check_finite
+from dapo_ops._validate import (
+    InputError,
+    check_finite,
+    check_int,
+    check_real,
+    check_tensor,
+    shape_str,
+)
 
 
 def dynamic_sample_mask(
@@ -41,6 +48,10 @@ def dynamic_sample_mask(
     advantage is 0). ``atol`` (default 0: exact) is the spread below which a continuous
     metric counts as constant.
 
+    Exactness: integer and bool metrics are compared in int64, exactly at any magnitude
+    (no rounding through a float, even near ``2**63``); float metrics in float64. A NaN or
+    inf metric raises ``InputError`` (one host sync, skipped under ``torch.compile``).
+
     Layouts: dense ``metric [groups, samples]`` returns ``[groups]``, one verdict per
     group. Flat ``metric [batch]`` with ``group_ids [batch]`` (non-contiguous, uneven
     groups allowed) returns ``[batch]``: each sample carries its group's verdict, so
@@ -55,20 +66,40 @@ def dynamic_sample_mask(
         >>> dynamic_sample_mask(acc)
         tensor([ True, False, False])
     """
-    if not isinstance(metric, Tensor):
-        raise InputError(f"metric must be a torch.Tensor, got {type(metric).__name__}")
+    check_tensor("metric", metric)
     if metric.dtype.is_complex:
         raise InputError(f"metric must be real, got {metric.dtype}")
-    if not (atol >= 0.0 and math.isfinite(atol)):
+    if not check_real("atol", atol) >= 0.0:
         raise InputError(f"atol must be finite and >= 0, got {atol}")
     seg = segments("metric", metric, group_ids)
-    values = seg.values.to(torch.float64)
-    check_finite("metric", values)
-    spread = segment_reduce(seg, values, "amax") - segment_reduce(seg, values, "amin")
-    keep = (spread > atol) & (segment_count(seg, torch.float64) >= 2)
+    if metric.dtype.is_floating_point:
+        values = seg.values.to(torch.float64)  # exact for every float dtype
+        check_finite("metric", values)
+        spread = segment_reduce(seg, values, "amax") - segment_reduce(seg, values, "amin")
+        varies = spread > atol  # an overflow to inf is a spread, too
+    else:  # integers (and bool) stay integers: exact at any magnitude
+        values = seg.values.to(torch.int64)
+        varies = _int_spread_exceeds(
+            segment_reduce(seg, values, "amax"), segment_reduce(seg, values, "amin"), atol
+        )
+    keep = varies & (segment_count(seg, torch.int64) >= 2)
     if seg.dense_shape is None:
         return keep[seg.segment]
     return keep[: seg.dense_shape[0]]
+
+
+def _int_spread_exceeds(hi: Tensor, lo: Tensor, atol: float) -> Tensor:
+    """``hi - lo > atol`` for int64 ``hi >= lo``, exact: no rounding through a float.
+
+    ``hi - lo`` wraps (to a negative int64) exactly when the true spread is ``>= 2**63``;
+    such a spread exceeds every ``atol`` below ``2**63``. Otherwise, for an integer
+    spread, ``spread > atol`` is ``spread > floor(atol)``, compared in int64.
+    """
+    spread = hi - lo
+    wrapped = spread < 0
+    if atol >= 2.0**63:  # only a wrapped spread can exceed it: compare in float64
+        return wrapped & (spread.to(torch.float64) + 2.0**64 > atol)
+    return wrapped | (spread > math.floor(atol))
 
 
 def kept_group_fraction(
@@ -92,8 +123,12 @@ def kept_group_counts(
     keep: Tensor, group_ids: Tensor | None
 ) -> tuple[Float[Tensor, ""], Float[Tensor, ""]]:
     """(kept groups, groups) as 0-dim float32 tensors, for either layout of ``keep``."""
-    if not isinstance(keep, Tensor) or keep.dtype != torch.bool or keep.ndim != 1:
-        raise InputError("keep must be the 1-D bool tensor returned by dynamic_sample_mask")
+    check_tensor("keep", keep)
+    if keep.dtype != torch.bool or keep.ndim != 1:
+        raise InputError(
+            f"keep must be the 1-D bool tensor returned by dynamic_sample_mask, got "
+            f"{keep.dtype} of shape {shape_str(keep)}"
+        )
     if group_ids is None:
         return keep.sum().float(), keep.new_tensor(keep.numel(), dtype=torch.float32)
     seg = segments("keep", keep, group_ids)
@@ -113,16 +148,18 @@ def prompts_to_generate(
     of the last round, converted once per round on the host); ``min_fraction`` bounds the
     over-sampling when nearly every group was dropped.
 
+    ``groups_needed`` (an int >= 0) and ``max_prompts`` (an int >= 1) must be ints;
+    ``kept_fraction`` in [0, 1] and ``min_fraction`` in (0, 1] finite reals. Anything else
+    (NaN or inf included) raises ``InputError`` naming the argument.
+
     Example:
         >>> prompts_to_generate(96, 0.4, max_prompts=512)
         240
     """
-    if groups_needed < 0:
-        raise InputError(f"groups_needed must be >= 0, got {groups_needed}")
-    if not 0.0 <= kept_fraction <= 1.0:
+    check_int("groups_needed", groups_needed, low=0)
+    if not 0.0 <= check_real("kept_fraction", kept_fraction) <= 1.0:
         raise InputError(f"kept_fraction must lie in [0, 1], got {kept_fraction}")
-    if not 0.0 < min_fraction <= 1.0:
+    if not 0.0 < check_real("min_fraction", min_fraction) <= 1.0:
         raise InputError(f"min_fraction must lie in (0, 1], got {min_fraction}")
-    if max_prompts < 1:
-        raise InputError(f"max_prompts must be >= 1, got {max_prompts}")
+    check_int("max_prompts", max_prompts, low=1)
     return min(math.ceil(groups_needed / max(kept_fraction, min_fraction)), max_prompts)
