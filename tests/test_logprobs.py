@@ -804,3 +804,116 @@ def test_named_tuple() -> None:
     out = token_logprobs_and_entropy(torch.zeros(1, 2), torch.tensor([1]))
     assert isinstance(out, LogpEntropy)
     torch.testing.assert_close(out.logp, torch.tensor([-math.log(2)]))
+
+
+# --------------------------------------------------------------------------- issue 15, item 1
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("want", ["logp", "entropy", "pair", "pair_view_inplace", "fused"])
+def test_double_backward_is_exact(want: str, temperature: float) -> None:
+    """create_graph=True gives a gradient with a graph, and its derivative is right
+    (gradgradcheck in float64): never a silently constant gradient."""
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(5, 7, dtype=torch.float64, generator=g, requires_grad=True)
+    x3 = torch.randn(2, 4, 7, dtype=torch.float64, generator=g, requires_grad=True)
+    tokens = torch.randint(0, 7, (5,), generator=g)
+    tokens23 = torch.randint(0, 7, (2, 3), generator=g)
+    h = torch.randn(5, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(7, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    b = torch.randn(7, dtype=torch.float64, generator=g, requires_grad=True)
+    opts = {"temperature": temperature, "chunk_size": 2}
+    fn: Callable[..., object]
+    if want == "logp":
+        fn, args = (lambda x: token_logprobs(x, tokens, **opts)), (x,)  # type: ignore[arg-type]
+    elif want == "entropy":
+        fn, args = (lambda x: token_entropy(x, **opts)), (x,)  # type: ignore[arg-type]
+    elif want == "pair":
+        fn, args = (lambda x: tuple(token_logprobs_and_entropy(x, tokens, **opts))), (x,)  # type: ignore[arg-type]
+    elif want == "pair_view_inplace":
+
+        def fn(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            out = token_logprobs_and_entropy(
+                x[:, :-1],
+                tokens23,
+                inplace_backward=True,
+                **opts,  # type: ignore[arg-type]
+            )
+            return tuple(out)
+
+        args = (x3,)
+    else:
+
+        def fn(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return tuple(fused_logprobs_entropy(h, w, tokens, bias=b, **opts))  # type: ignore[arg-type]
+
+        args = (h, w, b)
+    assert torch.autograd.gradgradcheck(fn, args)  # type: ignore[arg-type]
+    out = fn(*args)
+    first = out[0] if isinstance(out, tuple) else out
+    grad = torch.autograd.grad(first.sum(), args[0], create_graph=True)[0]  # type: ignore[union-attr]
+    assert grad.requires_grad and grad.grad_fn is not None
+
+
+def test_double_backward_first_order_matches_block_path() -> None:
+    logits, tokens = inputs(9, 23, 8, dtype=torch.float32)
+    grads = []
+    for create_graph in (False, True):
+        x = logits.clone().requires_grad_(True)
+        out = token_logprobs_and_entropy(x, tokens, chunk_size=4)
+        loss = out.logp.sum() + 0.3 * out.entropy.sum()
+        grads.append(torch.autograd.grad(loss, x, create_graph=create_graph)[0].detach())
+    # two float32 evaluations of one formula, in another order: a few ulps of 1
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("fn", ["logprobs", "pair"])
+def test_inplace_backward_refuses_overlapping_views(fn: str) -> None:
+    """An expand()-ed view cannot hold its own gradient: refused at call time, not a raw
+    error inside backward. Slices and transposes still work."""
+    call = token_logprobs if fn == "logprobs" else token_logprobs_and_entropy
+    base = torch.randn(1, 6, requires_grad=True)
+    with pytest.raises(InputError, match="inplace_backward"):
+        call(base.expand(4, 6), torch.zeros(4, dtype=torch.long), inplace_backward=True)
+    base3 = torch.randn(2, 1, 6, requires_grad=True)
+    with pytest.raises(InputError, match="inplace_backward"):
+        call(base3.expand(2, 3, 6), torch.zeros(2, 3, dtype=torch.long), inplace_backward=True)
+    # without inplace_backward the expanded view is fine
+    call(base.expand(4, 6), torch.zeros(4, dtype=torch.long))
+    views: list[tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]] = [
+        (torch.randn(6, 4), lambda y: y.T),
+        (torch.randn(2, 4, 6), lambda y: y[:, :-1]),
+    ]
+    for base_values, view in views:
+        grads = []
+        for inplace in (False, True):
+            leaf = base_values.clone().requires_grad_(True)
+            x = view(leaf * 1)  # a strided non-leaf view, like lm_head's output sliced
+            tokens = torch.zeros(x.shape[:-1], dtype=torch.long)
+            out = call(x, tokens, inplace_backward=inplace)
+            (out if isinstance(out, torch.Tensor) else out.logp).sum().backward()
+            grads.append(leaf.grad)
+        # a transposed block's row sums run in another order than a contiguous buffer's:
+        # the gradients (entries of |g| <= 1) agree to a few float32 ulps of 1
+        torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=4 * 2.0**-24)
+
+
+@pytest.mark.parametrize("what", ["logits", "tokens", "hidden", "weight", "bias"])
+def test_modifying_a_saved_input_before_backward_raises(what: str) -> None:
+    """Like any torch op: never a gradient computed from the modified values."""
+    g = torch.Generator().manual_seed(22)
+    tokens = torch.randint(0, 6, (4,), generator=g)
+    if what in ("logits", "tokens"):
+        x = torch.randn(4, 6, generator=g, requires_grad=True) * 1
+        out = token_logprobs_and_entropy(x, tokens)
+        target = x if what == "logits" else tokens
+    else:
+        h = torch.randn(4, 3, generator=g, requires_grad=True) * 1
+        w = torch.randn(6, 3, generator=g, requires_grad=True) * 1
+        b = torch.randn(6, generator=g, requires_grad=True) * 1
+        out = fused_logprobs_entropy(h, w, tokens, bias=b)
+        target = {"hidden": h, "weight": w, "bias": b}[what]
+    with torch.no_grad():
+        target.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (out.logp.sum() + out.entropy.sum()).backward()

@@ -28,9 +28,9 @@ from typing import Any, NamedTuple
 import torch
 from jaxtyping import Float, Integer
 from torch import Tensor
-from torch.autograd.function import FunctionCtx, once_differentiable
+from torch.autograd.function import FunctionCtx
 
-from dapo_ops._validate import InputError, check_float, is_compiling, shape_str
+from dapo_ops._validate import InputError, check_float, check_tensor, is_compiling, shape_str
 
 #: Default block sizes, in logits *elements* per block (``chunk_size=None`` means
 #: ``max(1, elements // vocab)`` rows). On CPU, 2**22 elements (16 MiB of float32; 27 rows
@@ -93,8 +93,8 @@ def _check_float_tensor(name: str, t: object) -> Tensor:
 
 def _check_tokens(tokens: object, rows_shape: torch.Size, ref: str, vocab: int) -> Tensor:
     """Dtype and shape of ``tokens``, then the id range (one host sync, eager only)."""
-    if not isinstance(tokens, Tensor):
-        raise InputError(f"tokens must be a torch.Tensor, got {type(tokens).__name__}")
+    check_tensor("tokens", tokens)
+    assert isinstance(tokens, Tensor)
     if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
         raise InputError(f"tokens must be an integer tensor of token ids, got {tokens.dtype}")
     if tokens.shape != rows_shape:
@@ -333,6 +333,54 @@ def _block_grad(
             del buf  # before the next piece's is allocated
 
 
+# --------------------------------------------------------------------------- double backward
+
+
+def _grad_with_graph(
+    z: Tensor,
+    tok: Tensor | None,
+    grad_logp: Tensor | None,
+    grad_entropy: Tensor | None,
+    temperature: float,
+    cdt: torch.dtype,
+) -> Tensor:
+    r"""``dL/dz`` of ``[rows, vocab]`` logits ``z``, built from differentiable ops.
+
+    The formula of :class:`_RowCoefs`,
+    :math:`\frac1T\big(g^{\log p}(\mathrm{onehot}(y) - p) - g^{H} p (\log p + H)\big)`,
+    on the whole ``[rows, vocab]`` at once: used only under ``create_graph=True``, where
+    autograd must record how the gradient depends on ``z`` (and on the upstream
+    gradients) for a second differentiation. Returns the compute dtype ``cdt``.
+    """
+    logp_all = torch.log_softmax(z.to(cdt) / temperature, dim=-1)
+    prob = logp_all.exp()
+    grad = torch.zeros_like(prob)
+    if grad_logp is not None:
+        assert tok is not None
+        onehot = torch.zeros_like(prob).scatter(1, tok.unsqueeze(1), 1.0)
+        grad = grad + grad_logp.reshape(-1, 1).to(cdt) * (onehot - prob)
+    if grad_entropy is not None:
+        log_p = logp_all.clamp(min=LOGP_FLOOR)  # a -inf logit: 0 * finite, as in forward
+        entropy = -(prob * log_p).sum(dim=-1, keepdim=True)
+        grad = grad - grad_entropy.reshape(-1, 1).to(cdt) * prob * (log_p + entropy)
+    return grad / temperature
+
+
+def _may_overlap(t: Tensor) -> bool:
+    """Whether two elements of ``t`` might share memory (an ``expand``-ed view, stride 0).
+
+    Metadata only: sorted by stride, every dim of size > 1 must step past everything the
+    smaller dims span; views made by slicing, transposing or ``unsqueeze`` pass.
+    """
+    span = 0
+    pairs = zip(t.stride(), t.shape, strict=True)
+    for stride, size in sorted((st, sz) for st, sz in pairs if sz > 1):
+        if stride <= span:
+            return True
+        span += stride * (size - 1)
+    return False
+
+
 # --------------------------------------------------------------------------- from logits
 
 
@@ -377,7 +425,6 @@ class _LogitsLogpEntropy(torch.autograd.Function):
         return logp, entropy
 
     @staticmethod
-    @once_differentiable
     def backward(
         ctx: Any, grad_logp: Tensor | None, grad_entropy: Tensor | None
     ) -> tuple[Tensor | None, ...]:
@@ -390,6 +437,32 @@ class _LogitsLogpEntropy(torch.autograd.Function):
             grad_entropy = None
         if grad_logp is None and grad_entropy is None:
             return (None,) * 6
+        if torch.is_grad_enabled():  # create_graph=True: a gradient autograd can differentiate
+            vocab = logits.shape[-1]
+            grad = _grad_with_graph(
+                logits.reshape(-1, vocab),
+                tokens,
+                grad_logp,
+                grad_entropy,
+                ctx.temperature,
+                lse.dtype,
+            )
+            return grad.to(logits.dtype).reshape(logits.shape), None, None, None, None, None
+        with torch.no_grad():
+            return _LogitsLogpEntropy._chunked_backward(
+                ctx, logits, tokens, lse, entropy, grad_logp, grad_entropy
+            )
+
+    @staticmethod
+    def _chunked_backward(
+        ctx: Any,
+        logits: Tensor,
+        tokens: Tensor | None,
+        lse: Tensor,
+        entropy: Tensor,
+        grad_logp: Tensor | None,
+        grad_entropy: Tensor | None,
+    ) -> tuple[Tensor | None, ...]:
         coefs = _row_coefs(grad_logp, grad_entropy, entropy, ctx.temperature, lse.dtype)
         tok_col = None if tokens is None else tokens.unsqueeze(1)
         lse_col = lse.unsqueeze(1) if coefs.neg_b is not None else None
@@ -425,6 +498,13 @@ def _from_logits(
     _check_options(temperature, chunk_size)
     if not isinstance(inplace_backward, bool):
         raise InputError(f"inplace_backward must be a bool, got {inplace_backward!r}")
+    if inplace_backward and _may_overlap(logits):
+        raise InputError(
+            f"inplace_backward=True needs logits whose elements each have their own memory, "
+            f"got a view with strides {tuple(logits.stride())} for shape {shape_str(logits)} "
+            "(an expand()-ed tensor): its gradient cannot be written into it. Pass "
+            "inplace_backward=False, or logits.contiguous()"
+        )
     vocab = logits.shape[-1]
     rows_shape = logits.shape[:-1]
     flat_tokens = None
@@ -486,6 +566,14 @@ def token_logprobs(
             it afterwards, and do not pass it to another differentiable op whose backward
             runs later (autograd then raises "modified by an inplace operation"). To get
             both log-probs and entropy this way use :func:`token_logprobs_and_entropy`.
+            Logits whose elements share memory (an ``expand()``-ed view) are refused at
+            call time (``InputError``): they cannot hold their own gradient.
+
+    Double backward: under ``create_graph=True`` the gradient is formed with ordinary
+    differentiable ops over all rows at once (the naive path's memory), so it can be
+    differentiated again, exactly; ``inplace_backward`` is then not applied. Modifying
+    ``logits`` or ``tokens`` in place between forward and backward raises autograd's
+    "modified by an inplace operation" error (they are saved with ``save_for_backward``).
 
     Token ids are range-checked with one host sync (skipped under ``torch.compile``),
     because an out-of-range id would otherwise crash ``gather`` (a device-side assert on
@@ -613,7 +701,6 @@ class _FusedLinearLogpEntropy(torch.autograd.Function):
         return logp, entropy
 
     @staticmethod
-    @once_differentiable
     def backward(
         ctx: Any, grad_logp: Tensor | None, grad_entropy: Tensor | None
     ) -> tuple[Tensor | None, ...]:
@@ -621,6 +708,38 @@ class _FusedLinearLogpEntropy(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if not (need_h or need_w or need_b) or (grad_logp is None and grad_entropy is None):
             return (None,) * 6
+        cdt = lse.dtype
+        if torch.is_grad_enabled():  # create_graph=True: a gradient autograd can differentiate
+            g = _grad_with_graph(
+                _linear(hidden, weight, bias), tokens, grad_logp, grad_entropy, ctx.temperature, cdt
+            )
+            dtype = hidden.dtype
+            return (
+                (g.to(dtype) @ weight) if need_h else None,
+                (g.T @ hidden.to(cdt)).to(dtype) if need_w else None,
+                g.sum(dim=0).to(dtype) if need_b else None,
+                None,
+                None,
+                None,
+            )
+        with torch.no_grad():
+            return _FusedLinearLogpEntropy._chunked_backward(
+                ctx, hidden, weight, bias, tokens, lse, entropy, grad_logp, grad_entropy
+            )
+
+    @staticmethod
+    def _chunked_backward(
+        ctx: Any,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        tokens: Tensor,
+        lse: Tensor,
+        entropy: Tensor,
+        grad_logp: Tensor | None,
+        grad_entropy: Tensor | None,
+    ) -> tuple[Tensor | None, ...]:
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
         cdt = lse.dtype
         coefs = _row_coefs(grad_logp, grad_entropy, entropy, ctx.temperature, cdt)
         tok_col, lse_col = tokens.unsqueeze(1), lse.unsqueeze(1)
@@ -707,6 +826,11 @@ def fused_logprobs_entropy(
             ``E = 2**25`` on CPU (220 rows at vocab 152064) and ``2**27`` on GPUs (882
             rows): large enough for efficient matmuls and few weight-gradient
             accumulations. Smaller blocks lower peak memory and cost matmul efficiency.
+
+    Double backward (``create_graph=True``) is supported as in :func:`token_logprobs`:
+    the gradient is then formed from the whole ``hidden @ weight.T`` with differentiable
+    ops. hidden, weight and bias are saved with ``save_for_backward``: modifying one in
+    place before backward raises instead of giving a different gradient.
 
     Example:
         >>> hidden, weight = torch.randn(6, 8), torch.randn(32, 8)
