@@ -35,9 +35,9 @@ import torch
 
 F64 = torch.float64
 
-#: Accuracy assumed of every elementary function (exp, log, ...) of ATen, in ulps. The
-#: loosest one ATen documents on CPU is the vectorised ``exp_u20`` of its softmax
-#: kernels ("ULP=20"); SLEEF's (AVX2, AVX-512) are within 1 ulp, libm's (the
+#: Accuracy assumed of every elementary function (exp, log, ...) of ATen, in ulps: the
+#: loosest exp ATen ships for its CPU kernels, the vectorised ``exp_u20`` ("ULP=20" in
+#: ATen/cpu/vec), bounds them all; SLEEF's (AVX2, AVX-512) are within 1 ulp, libm's (the
 #: ``default`` capability) within 1-2, CUDA's ``expf``/``logf`` within 2.
 FUNC_ULPS = 20
 
@@ -420,7 +420,7 @@ def advantage_bound(
     The statistics are float64 sums over at most ``N`` rewards of magnitude at most
     ``M`` (mean, centring, variance, sqrt, one or two divisions): the residual and ``s``
     are each off by ``gamma(N + 6) M``, so the advantage by ``gamma(N + 6) (M / s)
-    (1 + |A|)``; doubled for the float64 loop reference's own rounding; plus
+    (1 + |A|)``; doubled for the float64 reference's own rounding; plus
     ``gamma(input_roundings) (M / s) (1 + |A|)`` for rewards that were themselves rounded
     (``M`` is then the magnitude of the exact rewards, passed as ``rewards``); then the
     result is rounded once to ``out_dtype``. (A degenerate group is 0 on both sides.)
