@@ -84,3 +84,30 @@ def test_kept_fraction_and_next_round() -> None:
     assert prompts_to_generate(0, 0.3, max_prompts=512) == 0
     with pytest.raises(ValueError, match="kept_fraction"):
         prompts_to_generate(4, 1.5, max_prompts=8)
+
+
+_NAN, _INF = float("nan"), float("inf")
+
+
+@pytest.mark.usefixtures("no_runtime_typecheck")  # the library's own checks
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"groups_needed": _NAN}, "groups_needed"),
+        ({"groups_needed": _INF}, "groups_needed"),
+        ({"groups_needed": 2.5}, "groups_needed"),
+        ({"kept_fraction": _NAN}, "kept_fraction"),
+        ({"kept_fraction": _INF}, "kept_fraction"),
+        ({"min_fraction": _NAN}, "min_fraction"),
+        ({"max_prompts": _NAN}, "max_prompts"),
+        ({"max_prompts": _INF}, "max_prompts"),
+    ],
+)
+def test_prompts_to_generate_refuses_nan_and_inf(kwargs: dict[str, float], name: str) -> None:
+    """NaN/inf options raise InputError naming the argument, not a raw ValueError or
+    OverflowError from math.ceil (issue 15, item 4)."""
+    from dapo_ops import InputError
+
+    args: dict[str, float] = {"groups_needed": 96, "kept_fraction": 0.4, "max_prompts": 512}
+    with pytest.raises(InputError, match=name):
+        prompts_to_generate(**{**args, **kwargs})  # type: ignore[arg-type]
