@@ -7,9 +7,11 @@ import os
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
+import torch
 
 import dapo_ops
 
@@ -115,3 +117,27 @@ def test_comparison_page_is_generated_from_the_registry() -> None:
 
     page = DOCS / "comparison.md"
     assert page.read_text() == markdown_table(), "stale: run python -m tools.feature_table"
+
+
+@pytest.mark.usefixtures("no_runtime_typecheck")  # check_objective compiles policy_loss
+def test_objectives_page_example_runs_and_passes_the_conformance_checks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """docs/objectives.md: the complete example (a user objective, a loss with the global
+    normaliser, backward, ``check_objective``) and the checking snippet run as written."""
+    text = (DOCS / "objectives.md").read_text()
+    example = re.search(r"## A complete example\n.*?```python\n(.*?)```", text, re.S)
+    checking = re.search(r"## Checking it.*?```python\n(.*?)```", text, re.S)
+    assert example and checking, "docs/objectives.md lost its example or its checking snippet"
+    # a module of its own, as user code is: torch.compile resolves the globals of the
+    # objective's methods through sys.modules
+    module = types.ModuleType("dapo_ops_docs_objectives_example")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    exec(compile(example.group(1), "docs/objectives.md", "exec"), module.__dict__)
+    logp = module.__dict__["logp"]
+    assert isinstance(logp, torch.Tensor) and logp.grad is not None
+    assert bool(torch.isfinite(logp.grad).all()) and bool(logp.grad.abs().sum() > 0)
+    objective = module.__dict__["TanhClip"]()
+    assert isinstance(objective, dapo_ops.Objective)
+    assert type(objective).grad is not dapo_ops.Objective.grad  # the fused path
+    exec(compile(checking.group(1), "docs/objectives.md", "exec"), module.__dict__)
