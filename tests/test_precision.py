@@ -156,3 +156,16 @@ def test_group_advantages_subnormal_rewards() -> None:
     big = r * 2.0**1000 * 2.0**30  # exact: powers of two
     assert d.group_advantages(r).tolist() == d.group_advantages(big).tolist()
     assert d.group_advantages(r).abs().min() > 0.5
+
+
+@pytest.mark.usefixtures("no_runtime_typecheck")
+def test_int64_spread_compiles_fullgraph() -> None:
+    """The int64 spread of dynamic_sample_mask traces with fullgraph=True (no host sync,
+    no graph break) and gives the eager verdicts. (test_compile.py traces the other
+    functions changed here: group_advantages, overlong_reward, batch_diagnostics.)"""
+    metric = torch.tensor([[2**60, 2**60 + 1], [2**60, 2**60], [-(2**63), 2**63 - 1]])
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda m: d.dynamic_sample_mask(m, atol=0.5), fullgraph=True, backend="aot_eager"
+    )
+    assert compiled(metric).tolist() == [True, False, True]
