@@ -9,6 +9,7 @@ they live only in the per-batch functions and are skipped while compiling.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 from torch import Tensor
@@ -126,8 +127,8 @@ def check_no_grad(name: str, t: Tensor) -> None:
 
 
 def check_real(name: str, value: object) -> float:
-    """A finite real option (int or float, not bool); returns it as a float."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """A finite real option (a Python or NumPy int or float, not a bool); as a float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise InputError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
     if not math.isfinite(value):
         raise InputError(f"{name} must be finite, got {value}")
@@ -135,12 +136,13 @@ def check_real(name: str, value: object) -> float:
 
 
 def check_int(name: str, value: object, *, low: int) -> int:
-    """An int option (not bool, not float) ``>= low``, that fits in int64."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    """An int option (a Python or NumPy int, not a bool or float) ``>= low`` that fits in
+    int64; returned as a Python int."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise InputError(f"{name} must be an int >= {low}, got {type(value).__name__} {value!r}")
-    if not low <= value <= INT64_MAX:
+    if not low <= int(value) <= INT64_MAX:
         raise InputError(f"{name} must be an int in [{low}, 2**63 - 1], got {value}")
-    return value
+    return int(value)
 
 
 def check_bool(name: str, value: object) -> bool:

@@ -99,7 +99,8 @@ def group_advantages(
     check_option("scale", scale, ("group", "batch", "none"))
     check_option("baseline", baseline, ("mean", "leave_one_out"))
     check_option("singleton", singleton, ("zero", "score"))
-    if not check_real("eps", eps) >= 0.0:
+    eps = check_real("eps", eps)
+    if not eps >= 0.0:
         raise InputError(f"eps must be finite and >= 0, got {eps}")
     check_bool("unbiased", unbiased)
     seg = segments("rewards", rewards, group_ids)

@@ -287,7 +287,7 @@ def batch_diagnostics(
         >>> float(d.kept_group_fraction), float(d.overlong_fraction), float(d.mean_response_length)
         (0.5, 0.5, 13.0)
     """
-    check_int("max_len", max_len, low=1)
+    max_len = check_int("max_len", max_len, low=1)
     check_tensor("lengths", lengths)
     check_ndim("lengths", lengths, 1, "[batch] of response token counts")
     check_count_dtype("lengths", lengths)

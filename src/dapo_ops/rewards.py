@@ -60,13 +60,14 @@ def overlong_reward(
         >>> overlong_reward(torch.tensor([10, 16, 18, 20, 25]), max_len=20, cache_len=4)
         tensor([ 0.0000,  0.0000, -0.5000, -1.0000, -1.0000])
     """
-    check_int("max_len", max_len, low=1)
-    check_int("cache_len", cache_len, low=1)
+    max_len = check_int("max_len", max_len, low=1)
+    cache_len = check_int("cache_len", cache_len, low=1)
     if not cache_len <= max_len:
         raise InputError(
             f"cache_len must satisfy 0 < cache_len <= max_len={max_len}, got {cache_len}"
         )
-    if not check_real("factor", factor) >= 0:
+    factor = check_real("factor", factor)
+    if not factor >= 0:
         raise InputError(f"factor must be finite and >= 0, got {factor}")
     check_tensor("lengths", lengths)
     check_ndim("lengths", lengths, 1, "[batch]")

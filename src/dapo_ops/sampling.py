@@ -69,7 +69,8 @@ def dynamic_sample_mask(
     check_tensor("metric", metric)
     if metric.dtype.is_complex:
         raise InputError(f"metric must be real, got {metric.dtype}")
-    if not check_real("atol", atol) >= 0.0:
+    atol = check_real("atol", atol)
+    if not atol >= 0.0:
         raise InputError(f"atol must be finite and >= 0, got {atol}")
     seg = segments("metric", metric, group_ids)
     if metric.dtype.is_floating_point:
@@ -156,10 +157,12 @@ def prompts_to_generate(
         >>> prompts_to_generate(96, 0.4, max_prompts=512)
         240
     """
-    check_int("groups_needed", groups_needed, low=0)
-    if not 0.0 <= check_real("kept_fraction", kept_fraction) <= 1.0:
+    groups_needed = check_int("groups_needed", groups_needed, low=0)
+    kept_fraction = check_real("kept_fraction", kept_fraction)
+    if not 0.0 <= kept_fraction <= 1.0:
         raise InputError(f"kept_fraction must lie in [0, 1], got {kept_fraction}")
-    if not 0.0 < check_real("min_fraction", min_fraction) <= 1.0:
+    min_fraction = check_real("min_fraction", min_fraction)
+    if not 0.0 < min_fraction <= 1.0:
         raise InputError(f"min_fraction must lie in (0, 1], got {min_fraction}")
-    check_int("max_prompts", max_prompts, low=1)
+    max_prompts = check_int("max_prompts", max_prompts, low=1)
     return min(math.ceil(groups_needed / max(kept_fraction, min_fraction)), max_prompts)
