@@ -17,8 +17,8 @@ arguments, and bad values for each option. Generic tests then feed every functio
 Adding a public function: add one ``spec(...)`` line to :data:`REGISTRY`;
 :func:`test_every_public_function_has_an_entry` fails until it is there.
 
-Known gaps are listed in :data:`KNOWN`, each an ``xfail(strict=False)`` with the reason,
-so that they turn on by themselves once fixed. The runtime annotation checker is off
+Known gaps are listed in :data:`KNOWN`, each an ``xfail(strict=True)`` with the reason
+(none today). The runtime annotation checker is off
 here: these tests exercise the library's own checks, which run for every user.
 """
 
@@ -187,14 +187,14 @@ REGISTRY: list[Spec] = [
     spec("gdpo_advantages", {"eps": BAD_NONNEG, "scale": BAD_BOOL}, components=Arg("float", ("B", "C"), nan=RAISE, posinf=RAISE, neginf=RAISE), group_ids=GROUP_IDS, mask=MASK, weights=Arg("float", ("C",), lo=0.5, hi=1.5)),
     spec("global_normalizer", {"mode": BAD_MODE, "grads_averaged_over_ranks": BAD_BOOL}, masks=MASK),
     spec("gpg_advantages", {"f_norm": BAD_POS}, scores=SCORES),
-    spec("high_entropy_mask", {"top_quantile": (0.0, -0.5, 1.5, NAN, INF)}, entropies=ENTROPY, mask=MASK, top_quantile=0.2),
+    spec("high_entropy_mask", {"top_quantile": (0.0, -0.5, 1.5, NAN, INF)}, entropies=dataclasses.replace(ENTROPY, nan=ANY, posinf=ANY, neginf=ANY), mask=MASK, top_quantile=0.2),
     spec("masked_whiten", values=TOKEN, mask=MASK),
-    spec("off_policy_sequence_mask", {"threshold": (NAN, "0.5")}, advantages=ADV_M, logp=dataclasses.replace(LOGP_M, nan=ANY), sampling_logp=dataclasses.replace(LOGP_M, nan=ANY), mask=MASK, threshold=0.5),
+    spec("off_policy_sequence_mask", {"threshold": (NAN, "0.5")}, advantages=dataclasses.replace(ADV_M, nan=ANY), logp=dataclasses.replace(LOGP_M, nan=ANY), sampling_logp=dataclasses.replace(LOGP_M, nan=ANY), mask=MASK, threshold=0.5),
     spec("offpolicy_metrics", old_logp=LOGP_M, rollout_logp=LOGP_M, mask=MASK, is_weights=dataclasses.replace(IS_W, const=False)),
     spec("opo_advantages", scores=SCORES, lengths=Arg("count", ("B", "S"), float_dtype=torch.int64)),
     spec("passk_advantages", {"eps": BAD_NONNEG, "scale": BAD_BOOL}, scores=SCORES, min_seq=2),
     spec("reinforce_pp_advantages", {"gamma": (-0.1, 1.5, NAN, INF)}, rewards=TOKEN, mask=MASK),
-    spec("rejection_mask", {"statistic": ("k9",), "level": ("seq",), "upper": BAD_POS, "lower": (-0.1, NAN, INF)}, old_logp=LOGP_M, rollout_logp=LOGP_M, mask=MASK, upper=2.0),
+    spec("rejection_mask", {"statistic": ("k9",), "level": ("seq",), "upper": BAD_POS, "lower": (-0.1, NAN, INF)}, old_logp=dataclasses.replace(LOGP_M, nan=ANY), rollout_logp=dataclasses.replace(LOGP_M, nan=ANY), mask=MASK, upper=2.0),
     spec("remax_advantages", rewards=TOKEN, baselines=Arg("float", ("B",), masked_by="mask"), mask=MASK),
 ]  # fmt: skip
 
@@ -202,44 +202,10 @@ SPECS = {s.name: s for s in REGISTRY}
 
 # --------------------------------------------------------------------------- known gaps
 
-ENGINE = "loss engine rewrite in progress"
-
 #: (test, function, argument or option) -> reason; "*" matches any argument. Each becomes
-#: ``xfail(strict=False)``: fixed gaps pass and are then removed from this table.
-KNOWN: dict[tuple[str, str, str], str] = {
-    # The loss engine (policy_loss and the functions built on it) is being rewritten.
-    ("option", "token_level_loss", "return_diagnostics"): f"{ENGINE}: not validated as a bool",
-    ("requires_grad", "gspo_sequence_ratio", "old_logp"): f"{ENGINE}: accepted",
-    ("requires_grad", "truncated_is_weights", "old_logp"): f"{ENGINE}: accepted",
-    ("requires_grad", "truncated_is_weights", "rollout_logp"): f"{ENGINE}: accepted",
-    ("valid", "objective_diagnostics", "advantages"): f"{ENGINE}: a NaN advantage is "
-    "silently counted as not clipped",
-    ("valid", "policy_diagnostics", "advantages"): f"{ENGINE}: a NaN advantage is silently "
-    "counted as not clipped",
-    # Outside this change (estimators.py, masks.py, importance.py, distributed.py).
-    ("valid", "passk_advantages", "scores"): "estimators.py: a NaN score gives advantages "
-    "0, silently",
-    ("valid", "gdpo_advantages", "components"): "estimators.py: NaN components raise an "
-    "InputError that names 'rewards' (group_advantages' argument), not 'components'",
-    ("valid", "high_entropy_mask", "entropies"): "masks.py: a NaN/inf entropy silently moves "
-    "the quantile (undocumented)",
-    ("valid", "off_policy_sequence_mask", "advantages"): "masks.py: a NaN advantage silently "
-    "drops the row (undocumented)",
-    ("valid", "rejection_mask", "*"): "importance.py: a NaN log-prob silently rejects the "
-    "token or sequence (undocumented)",
-    ("dtype", "opo_advantages", "lengths"): "estimators.py: lengths dtype not checked",
-    ("meta", "opo_advantages", "lengths"): "estimators.py: raw error",
-    ("list", "opo_advantages", "lengths"): "estimators.py: raw AttributeError",
-    ("option", "gae_advantages", "*"): "estimators.py: gamma, lam, whiten not validated",
-    ("option", "reinforce_pp_advantages", "gamma"): "estimators.py: gamma not validated",
-    ("option", "gpg_advantages", "f_norm"): "estimators.py: f_norm not validated",
-    ("option", "passk_advantages", "*"): "estimators.py: eps, scale not validated",
-    ("option", "gdpo_advantages", "scale"): "estimators.py: scale not validated as a bool",
-    ("option", "global_normalizer", "grads_averaged_over_ranks"): "distributed.py: not "
-    "validated as a bool",
-    ("empty", "gae_advantages", "seq0"): "estimators.py: seq 0 raises a raw IndexError",
-    ("empty", "reinforce_pp_advantages", "seq0"): "estimators.py: seq 0 raises a raw IndexError",
-}
+#: ``xfail(strict=True)``: a gap that gets fixed fails until it is removed from this table.
+#: Empty: every function meets its spec line.
+KNOWN: dict[tuple[str, str, str], str] = {}
 
 
 def _known(test: str, name: str, arg: str) -> str | None:
@@ -254,7 +220,7 @@ def _cases(test: str, items: Iterator[tuple[Any, ...]]) -> list[Any]:
     out = []
     for item in items:
         reason = _known(test, item[0], item[1] if len(item) > 1 else "*")
-        marks = [pytest.mark.xfail(strict=False, reason=reason)] if reason else []
+        marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
         out.append(pytest.param(*item, id="-".join(map(str, item)), marks=marks))
     return out
 

@@ -24,14 +24,10 @@ from dapo_ops.diagnostics import (
 )
 from dapo_ops.distributed import global_normalizer
 from dapo_ops.estimators import (
-    gae_advantages,
     gdpo_advantages,
     gpg_advantages,
-    masked_whiten,
     opo_advantages,
     passk_advantages,
-    reinforce_pp_advantages,
-    remax_advantages,
 )
 from dapo_ops.gspo import gspo_sequence_ratio, gspo_surrogate
 from dapo_ops.importance import rejection_mask, truncated_is_weights
@@ -60,6 +56,12 @@ from dapo_ops.objectives import (
 from dapo_ops.offpolicy import OffPolicyMetrics, offpolicy_metrics
 from dapo_ops.policy import policy_loss, policy_loss_with_diagnostics
 from dapo_ops.presets import ObjectivePreset
+from dapo_ops.returns import (
+    gae_advantages,
+    masked_whiten,
+    reinforce_pp_advantages,
+    remax_advantages,
+)
 from dapo_ops.rewards import overlong_filter, overlong_reward
 from dapo_ops.sampling import dynamic_sample_mask, kept_group_fraction, prompts_to_generate
 from dapo_ops.surrogate import clip_higher_surrogate, per_token_loss

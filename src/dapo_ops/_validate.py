@@ -119,6 +119,7 @@ def check_same_device(name: str, t: Tensor, ref_name: str, ref: Tensor) -> None:
 
 def check_no_grad(name: str, t: Tensor) -> None:
     """``InputError`` if ``t`` would carry a gradient: a constant of the objective must not."""
+    check_tensor(name, t)
     if t.requires_grad and torch.is_grad_enabled():
         raise InputError(
             f"{name} requires grad, but it is a constant of the objective: a gradient through "

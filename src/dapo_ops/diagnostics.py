@@ -174,6 +174,8 @@ def objective_diagnostics(
     :math:`KL(\pi_{old}\,\|\,\pi_\theta)`, >= 0 per token. ``entropy`` (per-token
     policy entropy, e.g. from :func:`token_entropy`) adds its masked sum, so ``.entropy``
     is its masked mean; the DAPO paper monitors it (too low is collapsed exploration).
+    A NaN advantage at a valid token has no sign, so the clip counts are NaN (as the loss
+    is); +-inf advantages count by their sign.
 
     Shapes as :func:`dapo_ops.policy_loss`; returns detached 0-dim float64 tensors.
 
@@ -190,16 +192,21 @@ def objective_diagnostics(
         logp, old_logp, advantages, mask, per_sequence=objective.level == "sequence"
     )
     x = token_inputs(objective, logp, old_logp, adv, valid, dtype, reference=True)
-    low, high, dual = (valid & c for c in objective.clipped(x))
-    ratio, log_ratio = x.ratio, x.clamped
     acc = torch.float64  # counts stay exact past 2**24 tokens
+    # A NaN advantage has no sign, so whether its token is clipped is undefined: NaN.
+    undefined = valid & torch.isnan(x.adv)
+    low, high, dual = (
+        torch.where(undefined, float("nan"), (valid & c).to(acc)).sum()
+        for c in objective.clipped(x)
+    )
+    ratio, log_ratio = x.ratio, x.clamped
     inf = torch.full_like(ratio, float("inf"))
     zero = ratio.new_zeros((), dtype=acc)
     return PolicyDiagnostics(
         valid_tokens=valid.sum().to(acc),
-        clipped_low=low.sum().to(acc),
-        clipped_high=high.sum().to(acc),
-        clipped_dual=dual.sum().to(acc),
+        clipped_low=low,
+        clipped_high=high,
+        clipped_dual=dual,
         ratio_sum=torch.where(valid, ratio, 0.0).sum().to(acc),
         ratio_min=extreme(torch.where(valid, ratio, inf), "amin").to(acc),
         ratio_max=extreme(torch.where(valid, ratio, -inf), "amax").to(acc),

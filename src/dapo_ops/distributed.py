@@ -9,7 +9,7 @@ import torch
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
-from dapo_ops._validate import InputError, as_bool_mask, check_ndim, check_option
+from dapo_ops._validate import InputError, as_bool_mask, check_bool, check_ndim, check_option
 from dapo_ops.aggregation import AGGREGATION_MODES, AggregationMode
 
 MaskLike = Bool[Tensor, "_batch _seq"] | Integer[Tensor, "_batch _seq"]
@@ -55,6 +55,7 @@ def global_normalizer(
         tensor(2., dtype=torch.float64)
     """
     check_option("mode", mode, AGGREGATION_MODES)
+    check_bool("grads_averaged_over_ranks", grads_averaged_over_ranks)
     mask_list = [masks] if isinstance(masks, Tensor) else list(masks)
     if not mask_list:
         raise InputError("masks must hold at least one [batch, seq] mask")

@@ -7,6 +7,7 @@ from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
 from dapo_ops._engine import policy_tensors, token_inputs
+from dapo_ops._validate import check_no_grad
 from dapo_ops.objectives import GSPO
 from dapo_ops.surrogate import per_token_loss
 
@@ -28,8 +29,9 @@ def gspo_sequence_ratio(
             = \exp\Big(\frac{1}{|y_i|}\sum_{t} m_{i,t}\,(\log\pi_\theta - \log\pi_{old})\Big)
 
     over valid tokens (token log-ratios clamped to +-20 first); 1 for a sequence with no
-    valid token. The mean log-ratio is clamped to +-10 before ``exp``. Differentiable (the
-    gradient is ``s_i / |y_i|`` per valid token): :meth:`GSPO.mean_log_ratio`, exponentiated.
+    valid token. The mean log-ratio is clamped to +-10 before ``exp``. Differentiable in
+    ``logp`` (the gradient is ``s_i / |y_i|`` per valid token): :meth:`GSPO.mean_log_ratio`,
+    exponentiated. ``old_logp`` is a constant: one that requires grad raises ``InputError``.
 
     Shapes: ``[batch, seq]`` inputs; returns ``[batch]`` float32 (float64 for float64).
 
@@ -39,6 +41,7 @@ def gspo_sequence_ratio(
         >>> gspo_sequence_ratio(lp, old, torch.ones(1, 2, dtype=torch.bool))
         tensor([2.])
     """
+    check_no_grad("old_logp", old_logp)
     objective = GSPO(seq_log_ratio_clamp=SEQUENCE_LOG_RATIO_CLAMP)
     _, valid, dtype = policy_tensors(logp, old_logp, None, mask)
     zero_adv = logp.new_zeros(logp.shape[0], 1)

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from dapo_ops._engine import policy_tensors
 from dapo_ops._rules import LOG_RATIO_CLAMP, masked
-from dapo_ops._validate import InputError, check_option
+from dapo_ops._validate import InputError, check_no_grad, check_option
 
 
 def _log_rho(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -90,6 +90,8 @@ def truncated_is_weights(
         raise InputError(f"lower must be <= cap, got lower={lower}, cap={cap}")
     if not isinstance(batch_normalize, bool):
         raise InputError(f"batch_normalize must be True or False, got {batch_normalize!r}")
+    check_no_grad("old_logp", old_logp)  # the weights are constants of the objective
+    check_no_grad("rollout_logp", rollout_logp)
     log_rho, valid = _log_rho(old_logp, rollout_logp, mask)
     if level == "sequence":
         log_rho = rearrange(log_rho.sum(dim=-1), "batch -> batch 1").expand_as(log_rho)
@@ -146,7 +148,9 @@ def rejection_mask(
     (``lower`` defaults to ``1 / upper``: thresholds are ratios); ``k2``/``k3`` keep
     :math:`s \le \text{upper}` (``lower`` is refused). Returns the bool mask of valid,
     kept tokens: use it as the loss mask (``mask & keep`` is ``keep``). Combine several
-    criteria with ``&``, as verl's comma-separated ``rollout_rs``.
+    criteria with ``&``, as verl's comma-separated ``rollout_rs``. A NaN log-prob at a
+    valid token gives a NaN statistic, which no bound keeps: the token (for a sequence
+    ``level``, its whole sequence) is rejected, never silently kept.
 
     Shapes: ``[batch, seq]``; returns bool ``[batch, seq]``.
 

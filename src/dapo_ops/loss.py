@@ -8,7 +8,7 @@ from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
 from dapo_ops._rules import LOG_RATIO_CLAMP, AggregationMode, Normalizer
-from dapo_ops._validate import InputError, check_option
+from dapo_ops._validate import InputError, check_bool, check_option, check_real
 from dapo_ops.diagnostics import PolicyDiagnostics
 from dapo_ops.kl import KL_ESTIMATORS, KLEstimator, KLPenalty
 from dapo_ops.objectives import ClipHigher
@@ -133,9 +133,9 @@ def token_level_loss(
         >>> loss = token_level_loss(logp, logp.detach(), torch.randn(4), mask)
         >>> loss.backward()
     """
-    if isinstance(kl_beta, bool) or not isinstance(kl_beta, (int, float)):
-        raise InputError(f"kl_beta must be a number, got {kl_beta!r}")
-    if not (kl_beta >= 0 and kl_beta < float("inf")):
+    check_bool("return_diagnostics", return_diagnostics)
+    kl_beta = check_real("kl_beta", kl_beta)
+    if kl_beta < 0:
         raise InputError(f"kl_beta must be finite and >= 0, got {kl_beta}")
     check_option("kl_estimator", kl_estimator, KL_ESTIMATORS)
     if kl_beta > 0 and ref_logp is None:

@@ -70,6 +70,8 @@ def high_entropy_mask(
     group) and :math:`\rho` = ``top_quantile``: the "80/20" finding (Wang et al. 2025) that
     the policy gradient of the 20 % highest-entropy "forking" tokens carries the learning.
     TRL: ``top_entropy_quantile`` (its trainer multiplies the per-token loss by it).
+    A NaN entropy at a valid token is left out: it does not enter the quantile and is never
+    selected; +-inf entropies are the highest and lowest values.
 
     Shapes: ``[batch, seq]``; returns bool ``[batch, seq]``, False at masked positions.
 
@@ -88,6 +90,7 @@ def high_entropy_mask(
     values = entropies.detach().to(
         torch.float64 if entropies.dtype == torch.float64 else torch.float32
     )
+    valid = valid & ~torch.isnan(values)  # a NaN entropy has no rank: left out
     everyone, ok = _gather_valid(masked(valid, values), valid)
     threshold = _quantile(everyone, ok, 1.0 - top_quantile)
     return (masked(valid, values) >= threshold) & valid
@@ -105,7 +108,8 @@ def off_policy_sequence_mask(
 
     Keeps row :math:`i` when :math:`A_i \ge 0` or :math:`\overline{\log\pi_{sampling} -
     \log\pi_\theta} \le \delta` (the mean over its valid tokens; a token whose log-prob is
-    NaN counts 0, as in TRL). TRL: ``off_policy_mask_threshold``.
+    NaN counts 0, as in TRL). A NaN advantage is not :math:`\ge 0`, so its row is kept
+    only when its drift is within ``threshold``, as in TRL. TRL: ``off_policy_mask_threshold``.
 
     Shapes: advantages ``[batch]`` or ``[batch, 1]``; the rest ``[batch, seq]``; returns
     bool ``[batch, seq]`` (whole rows), False at masked positions.
