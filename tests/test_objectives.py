@@ -233,23 +233,7 @@ def test_masked_garbage_changes_nothing(objective: Objective, data: Any) -> None
     )
 
 
-SIGNED_ZERO_BUG = (
-    "ClipHigher's eager CPU kernel (objectives/_clip_higher_cpu.py) writes the gradient of "
-    "a clipped or masked token as r * 0 * (w * -A): -0.0 where A > 0, where the reference "
-    "(and the generic body's torch.where) gives +0.0; the sign also follows the advantage "
-    "of a masked row, which garbage there changes (inf -> 0 -> -0.0)"
-)
-
-
-def _signed_zero_cases() -> Iterator[Any]:
-    for p in ALL:
-        marks = []
-        if isinstance(p.values[0], ClipHigher):
-            marks.append(pytest.mark.xfail(strict=True, reason=SIGNED_ZERO_BUG))
-        yield pytest.param(*p.values, id=p.id, marks=marks)
-
-
-@pytest.mark.parametrize("objective", list(_signed_zero_cases()))
+@pytest.mark.parametrize("objective", ALL)
 def test_gradient_zeros_keep_their_sign(objective: Objective) -> None:
     """The strictest reading of "bitwise": the sign of a zero counts too. Every zero of
     the gradient has the sign of the reference's zero (autograd: +0.0), and inf in masked

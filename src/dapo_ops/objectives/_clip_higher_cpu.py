@@ -186,7 +186,8 @@ def cpu_terms(
                 wna_b = torch.mul(na_b, w_b, out=tok[2])
             if keep is not None:
                 ind.mul_(keep)
-            r.mul_(ind).mul_(wna_b)
+            # + 0.0 turns the -0.0 of (r * 0) * (w * -A < 0) into the reference's +0.0
+            r.mul_(ind).mul_(wna_b).add_(0.0)
         elif row_terms is not None:
             torch.sum(q, dim=-1, out=rs).mul_(na_b[:, 0])
         else:
