@@ -170,3 +170,19 @@ def test_empty_shapes_give_zero_not_nan(mode: str) -> None:
         torch.zeros(0, 4), torch.zeros(0, 4), torch.zeros(0), torch.zeros(0, 4, dtype=torch.bool)
     )
     assert diag.valid_tokens.item() == 0 and diag.ratio_mean.item() == 0.0
+
+
+def test_input_error_has_its_public_name() -> None:
+    """Tracebacks show ``dapo_ops.InputError`` (the name users catch), and it pickles."""
+    import pickle
+
+    assert f"{d.InputError.__module__}.{d.InputError.__qualname__}" == "dapo_ops.InputError"
+    err = pickle.loads(pickle.dumps(d.InputError("x must be finite")))
+    assert isinstance(err, d.InputError) and str(err) == "x must be finite"
+
+
+@pytest.mark.parametrize("fn", [d.token_level_loss, d.clip_higher_surrogate])
+def test_logits_given_as_logp_get_a_hint(fn: Callable[..., object]) -> None:
+    logits = torch.randn(2, 3, 5)
+    with pytest.raises(d.InputError, match=r"looks like logits.*token_logprobs"):
+        fn(logits, logits, torch.randn(2), torch.ones(2, 3, dtype=torch.bool))

@@ -92,6 +92,12 @@ def policy_tensors(
     name, old_name = names
     check_float(name, logp)
     check_float(old_name, old_logp)
+    if logp.ndim == 3:
+        raise InputError(
+            f"{name} must have shape [batch, seq], got {shape_str(logp)}: this looks like "
+            "logits [batch, seq, vocab]; take the sampled tokens' log-probs first with "
+            "dapo_ops.token_logprobs(logits, tokens)"
+        )
     check_ndim(name, logp, 2, "[batch, seq]")
     check_same_shape(old_name, old_logp, name, logp)
     batch, seq = logp.shape

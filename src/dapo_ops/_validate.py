@@ -22,6 +22,8 @@ class InputError(ValueError, TypeError):
     either catches it. The message names the argument and, for shapes, the shapes involved.
     """
 
+    __module__ = "dapo_ops"  # tracebacks and docs show dapo_ops.InputError, its public name
+
 
 #: Largest int64: integer options and counts must fit in it.
 INT64_MAX = 2**63 - 1
