@@ -84,16 +84,19 @@ class Policy(nn.Module):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--steps", type=int, default=40, help="optimiser steps")
     parser.add_argument("--prompts", type=int, default=32, help="prompts per step")
     parser.add_argument("--group-size", type=int, default=8, help="answers per prompt (G)")
     parser.add_argument("--micro-batches", type=int, default=4, help="gradient-accumulation splits")
-    parser.add_argument("--ppo-epochs", type=int, default=2)
+    parser.add_argument("--ppo-epochs", type=int, default=2, help="passes over each batch")
     parser.add_argument("--max-len", type=int, default=8, help="generation cap, EOS included")
     parser.add_argument("--cache-len", type=int, default=3, help="soft overlong penalty zone")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="random seed")
     args = parser.parse_args(argv)
 
     torch.manual_seed(args.seed)
@@ -141,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                     logp, batch["old"][idx], adv[idx], batch["m"][idx], normalizer=norm
                 )
                 loss.backward()  # no division by the number of micro-batches
-                total += float(loss)
+                total += float(loss.detach())
             optimizer.step()
         kept = int(keep.sum())
         print(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -146,3 +147,16 @@ def test_default_compares_at_the_same_sample_budget() -> None:
     # the comparison: same seed, same number of generated answers
     assert demo.DemoConfig().budget == "samples"
     assert demo.parse_args([]).budget == "samples"
+
+
+def test_help_shows_every_default(capsys: pytest.CaptureFixture[str]) -> None:
+    from dapo_ops.demo.cli import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    options_part = capsys.readouterr().out.split("\noptions:", 1)[1]
+    for option in re.findall(r"^\s+(--[a-z-]+)", options_part, flags=re.M):
+        if option == "--help":
+            continue
+        block = options_part.split(f"  {option}", 1)[1].split("\n  --", 1)[0]
+        assert "(default:" in block, (option, block)

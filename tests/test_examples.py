@@ -11,8 +11,9 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "plain_loop.py"
 
 
 def run_example(*args: str) -> str:
+    """Run the example with every warning an error: a user copying it sees none."""
     done = subprocess.run(
-        [sys.executable, str(EXAMPLE), *args],
+        [sys.executable, "-W", "error", str(EXAMPLE), *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -32,3 +33,13 @@ def test_plain_loop_default_run_learns() -> None:
     match = re.search(r"accuracy (\d\.\d\d) -> (\d\.\d\d) in 40 steps", out)
     assert match, out
     assert float(match.group(2)) >= 0.8 > float(match.group(1)), out
+
+
+def test_help_shows_every_default() -> None:
+    out = run_example("--help")
+    options_part = out.split("\noptions:", 1)[1]
+    options = re.findall(r"^\s+(--[a-z-]+) [A-Z_]+", options_part, flags=re.M)
+    assert options, out
+    for option in options:
+        block = options_part.split(f"  {option}", 1)[1].split("\n  --", 1)[0]
+        assert "(default:" in block, (option, block)

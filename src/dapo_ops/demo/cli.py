@@ -63,18 +63,21 @@ def parse_args(argv: Sequence[str] | None = None) -> DemoConfig:
         prog="python -m dapo_ops.demo",
         description="Train a tiny policy with DAPO and a GRPO baseline on CPU; "
         "write metrics.csv and dapo_vs_grpo.png.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--steps", type=int, default=default.steps, help="training steps per run")
-    p.add_argument("--seed", type=int, default=default.seed)
+    p.add_argument("--seed", type=int, default=default.seed, help="random seed")
     p.add_argument("--out", type=Path, default=default.out, help="output directory")
     p.add_argument("--group-size", type=int, default=default.group_size, help="answers per prompt")
-    p.add_argument("--method", choices=("both", "dapo", "grpo"), default="both")
+    p.add_argument(
+        "--method", choices=("both", "dapo", "grpo"), default="both", help="which runs to train"
+    )
     p.add_argument(
         "--budget",
         choices=("steps", "samples"),
         default=default.budget,
-        help="equal generated answers (default: steps x prompts x group size, GRPO's "
-        "count; DAPO then takes fewer steps), or equal training steps",
+        help="samples: equal generated answers (steps x prompts x group size, GRPO's count; "
+        "DAPO then takes fewer steps); steps: equal training steps",
     )
     ablations = p.add_argument_group("DAPO ablations (each --no-* switches one DAPO component off)")
     ablations.add_argument("--no-clip-higher", action="store_true", help="eps_high = eps_low = 0.2")
