@@ -72,3 +72,19 @@ def test_signatures_follow_the_issue() -> None:
     sig = inspect.signature(inspect.unwrap(dapo_ops.overlong_reward))
     assert sig.parameters["factor"].default == 1.0
     assert sig.parameters["max_len"].kind is inspect.Parameter.KEYWORD_ONLY
+
+
+def test_version_has_one_source() -> None:
+    """``dapo_ops.__version__`` is the source (pyproject reads it); the installed metadata
+    and CITATION.cff agree with it, and the changelog has its section."""
+    import importlib.metadata
+    import re
+    from pathlib import Path
+
+    import dapo_ops
+
+    root = Path(__file__).resolve().parents[1]
+    assert importlib.metadata.version("dapo_ops") == dapo_ops.__version__
+    cff = re.search(r"^version: (\S+)$", (root / "CITATION.cff").read_text(), flags=re.M)
+    assert cff and cff.group(1) == dapo_ops.__version__
+    assert f"## [{dapo_ops.__version__}]" in (root / "CHANGELOG.md").read_text()
