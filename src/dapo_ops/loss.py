@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, overload
+from typing import Any, Literal, TypedDict, overload
 
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
+from typing_extensions import Unpack
 
 from dapo_ops._rules import LOG_RATIO_CLAMP, AggregationMode, Normalizer
 from dapo_ops._validate import InputError, check_bool, check_option, check_real
@@ -15,6 +16,23 @@ from dapo_ops.objectives import ClipHigher
 from dapo_ops.policy import policy_loss, policy_loss_with_diagnostics
 
 
+class _ClipOptions(TypedDict, total=False):
+    """token_level_loss's options but ``return_diagnostics`` (typing of its two overloads)."""
+
+    eps_low: float
+    eps_high: float
+    mode: AggregationMode
+    normalizer: Normalizer
+    dual_clip: float | None
+    max_len: int | None
+    log_ratio_clamp: float
+    ref_logp: Tensor | None
+    kl_beta: float
+    kl_estimator: KLEstimator
+    is_weights: Tensor | None
+    compiled: bool
+
+
 @overload
 def token_level_loss(
     logp: Tensor,
@@ -22,19 +40,8 @@ def token_level_loss(
     advantages: Tensor,
     mask: Tensor,
     *,
-    eps_low: float = ...,
-    eps_high: float = ...,
-    mode: AggregationMode = ...,
-    normalizer: Normalizer = ...,
-    dual_clip: float | None = ...,
-    max_len: int | None = ...,
-    log_ratio_clamp: float = ...,
-    ref_logp: Tensor | None = ...,
-    kl_beta: float = ...,
-    kl_estimator: KLEstimator = ...,
-    is_weights: Tensor | None = ...,
-    compiled: bool = ...,
     return_diagnostics: Literal[False] = ...,
+    **options: Unpack[_ClipOptions],
 ) -> Tensor: ...
 
 
@@ -45,19 +52,8 @@ def token_level_loss(
     advantages: Tensor,
     mask: Tensor,
     *,
-    eps_low: float = ...,
-    eps_high: float = ...,
-    mode: AggregationMode = ...,
-    normalizer: Normalizer = ...,
-    dual_clip: float | None = ...,
-    max_len: int | None = ...,
-    log_ratio_clamp: float = ...,
-    ref_logp: Tensor | None = ...,
-    kl_beta: float = ...,
-    kl_estimator: KLEstimator = ...,
-    is_weights: Tensor | None = ...,
-    compiled: bool = ...,
     return_diagnostics: Literal[True],
+    **options: Unpack[_ClipOptions],
 ) -> tuple[Tensor, PolicyDiagnostics]: ...
 
 
