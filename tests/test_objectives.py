@@ -372,3 +372,42 @@ def test_the_checks_catch_broken_objectives(objective: Objective, check: str, me
 def test_check_objective_refuses_a_non_objective(checker: str) -> None:
     with pytest.raises(ValueError, match="Objective"):
         testing.check_objective(ClipHigher)
+
+
+@given(
+    st.integers(0, 2**16),
+    st.sampled_from(MODES),
+    st.booleans(),
+    st.sampled_from([None, 3.0]),
+    st.sampled_from([torch.float32, torch.bfloat16, torch.float64]),
+)
+def test_token_level_loss_is_policy_loss_of_clip_higher_bitwise(
+    seed: int, mode: str, kl_is: bool, dual_clip: float | None, dtype: torch.dtype
+) -> None:
+    """The mission's entry point is exactly ``policy_loss(ClipHigher(...))``: the same
+    bits of loss and gradient, with and without KL and IS weights."""
+    objective = ClipHigher(eps_low=0.2, eps_high=0.28, dual_clip=dual_clip)
+    b = testing.make_batch(objective, 3, 7, seed=seed, dtype=dtype)
+    ref = b.old_logp - 0.05
+    w = torch.rand(b.logp.shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+    extra: dict[str, Any] = {"ref_logp": ref, "is_weights": w} if kl_is else {}
+    kl = dapo_ops.KLPenalty(beta=0.04) if kl_is else None
+    results = []
+    for call in ("token_level_loss", "policy_loss"):
+        logp = b.logp.clone().requires_grad_(True)
+        if call == "token_level_loss":
+            loss = dapo_ops.token_level_loss(
+                logp, b.old_logp, b.advantages, b.mask, mode=mode,  # type: ignore[arg-type]
+                dual_clip=dual_clip, kl_beta=0.04 if kl_is else 0.0, max_len=7, **extra,
+            )  # fmt: skip
+        else:
+            loss = dapo_ops.policy_loss(
+                objective, logp, b.old_logp, b.advantages, b.mask, mode=mode,  # type: ignore[arg-type]
+                kl=kl, max_len=7, **extra,
+            )  # fmt: skip
+        loss.backward()
+        assert logp.grad is not None
+        results.append((loss.detach(), logp.grad))
+    (l1, g1), (l2, g2) = results
+    assert torch.equal(l1, l2) and torch.equal(g1, g2)
+    assert torch.equal(g1.signbit(), g2.signbit())
