@@ -7,9 +7,10 @@ Usage (from the repository root, with the package installed)::
     python -m benchmarks.run --device cuda   # GPU: CUDA-event timing, max_memory_allocated,
                                              # kernel launches per call (torch.profiler)
 
-It writes ``docs/benchmarks.md`` (tables, machine, date, command, torch version) and
-``docs/benchmarks.png`` (matplotlib, optional: skipped with a note when it is missing).
-``--out-md``/``--out-png`` change the paths, ``--json`` also dumps the raw numbers.
+It writes ``docs/benchmarks.md`` (tables, machine, date, command, torch version),
+``docs/benchmarks.json`` (the raw numbers, from which ``python -m benchmarks.summary``
+renders README.md's figures) and ``docs/benchmarks.png`` (matplotlib, optional: skipped
+with a note when it is missing). ``--out-md``/``--out-png``/``--json`` change the paths.
 
 For every case: median and inter-quartile range over repeats (implementations of one
 case run interleaved, round-robin, so background load hits them alike), the minimum,
@@ -985,8 +986,8 @@ def render_markdown(
         "",
         f"- Date: {args.date}",
         f"- Machine: {args.machine}",
-        f"- Python {platform.python_version()}, torch {torch.__version__}, "
-        f"dapo_ops {d.__version__}; device `{args.device}`"
+        f"- Python {args.python}, torch {args.torch}, "
+        f"dapo_ops {args.dapo_ops}; device `{args.device}`"
         + (" (CUDA-event timing)" if cuda else " (wall-clock timing, `time.perf_counter`)"),
         f"- Copy bandwidth measured in this run: **{bandwidth / 1e9:.1f} GB/s** "
         "(large float32 `copy_`, read + write bytes / time). The floor of an op is the bytes "
@@ -1108,15 +1109,17 @@ def render_markdown(
         "so its timing is the Python loop, not a reduction over a long response.",
         "- Installed peers found in this environment and timed directly (rows marked "
         "`(installed)`): "
-        + (", ".join(f"{k} {v}" for k, v in installed_versions().items()) or "none")
+        + (", ".join(f"{k} {v}" for k, v in args.installed.items()) or "none")
         + ". Installed verl's `compute_policy_loss_vanilla` runs with a real `ActorConfig` "
         "(clip 0.2/0.28, `clip_ratio_c=3`, the global token count in `global_batch_info`); "
         "its GRPO advantage is timed both as the uid loop and as the vectorized estimator "
         "(`grpo_vectorized`) that newer verl offers.",
         "- Agreement checked before timing: " + "; ".join(notes) + ".",
-        "- `token_level_loss` runs the fused path (one pass, analytic backward) whenever "
-        "`kl_beta == 0` and no `is_weights` are given; the unfused composition row is what "
-        "it runs with a KL term or IS weights. `compiled=True` puts the loss scale, the loss "
+        "- `token_level_loss` (and `policy_loss` for every objective with an analytic "
+        "gradient) runs the fused path (one pass, analytic backward), with a KL term and IS "
+        "weights too; the unfused composition row (surrogate, then aggregation, through "
+        "autograd) is the reference it is checked against. `compiled=True` puts the loss "
+        "scale, the loss "
         "and its gradient in one `torch.compile` graph (compiled once per process; its "
         "compile time is in the table below, not in the timings). The eager CPU path works "
         "in blocks of rows of about 512 Ki elements, inside the gradient and two scratch "
@@ -1276,7 +1279,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--out-md", default=str(ROOT / "docs" / "benchmarks.md"))
     p.add_argument("--out-png", default=str(ROOT / "docs" / "benchmarks.png"))
-    p.add_argument("--json", default=None, help="also write the raw results here")
+    p.add_argument(
+        "--json",
+        default="docs/benchmarks.json",
+        help="the raw results (README's figures are rendered from them: benchmarks.summary)",
+    )
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     p.add_argument("--only", default=None, help="run only cases whose name contains this")
     p.add_argument("--target-s", type=float, default=None, help="timing budget per impl/case")
@@ -1322,6 +1329,7 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - t_start
     args.date = _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     args.machine = machine_description(args.device)
+    record_environment(args)
     loads = (load_start, _loadavg())
     md = render_markdown(results, cases, bandwidth, args, notes, loads, wall)
     Path(args.out_md).parent.mkdir(parents=True, exist_ok=True)
@@ -1345,12 +1353,30 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def record_environment(args: argparse.Namespace) -> None:
+    """What the report states about the measuring environment, kept with the results so
+    that re-rendering them elsewhere (``--from-json``, the docs test) states the same."""
+    args.python = platform.python_version()
+    args.torch = torch.__version__
+    args.dapo_ops = d.__version__
+    args.installed = installed_versions()
+
+
 def rerender(args: argparse.Namespace) -> int:
     """Rebuild the markdown and the plot from a ``--json`` dump (no measurement)."""
     data = json.loads(Path(args.from_json).read_text())
+    if args.note:  # kept with the results, so that the report re-renders with them
+        data["args"]["note"] = args.note
+        Path(args.from_json).write_text(json.dumps(data, indent=1))
+    md, results, cases = render_json(data)
+    Path(args.out_md).write_text(md)
+    print(render_plot(results, cases, data["bandwidth"], Path(args.out_png)))
+    return 0
+
+
+def render_json(data: dict[str, Any]) -> tuple[str, list[Result], list[Case]]:
+    """The markdown report of a ``--json`` dump, with its results and cases."""
     saved = argparse.Namespace(**data["args"])
-    saved.out_md, saved.out_png = args.out_md, args.out_png
-    saved.note = args.note or getattr(saved, "note", [])
     results = [Result(**{k: v for k, v in r.items() if k != "median"}) for r in data["results"]]
     cases = make_cases(saved.quick, saved.device)
     keys = {(r.op, r.size) for r in results}
@@ -1358,9 +1384,7 @@ def rerender(args: argparse.Namespace) -> int:
     md = render_markdown(
         results, cases, data["bandwidth"], saved, data["notes"], tuple(data["loads"]), data["wall"]
     )
-    Path(args.out_md).write_text(md)
-    print(render_plot(results, cases, data["bandwidth"], Path(args.out_png)))
-    return 0
+    return md, results, cases
 
 
 if __name__ == "__main__":
