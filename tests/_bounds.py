@@ -328,7 +328,8 @@ def loss_reference(
     ``normalizer``, ``max_len``); ``extra_terms`` counts additions the caller makes on top
     (summing micro-batch losses).
 
-    With ``d = logp - old_logp`` (``|d| <= D``), ``r = exp(d)``, per-token loss
+    With ``d = logp - old_logp`` clamped to ``+-log_ratio_clamp`` (``|d| <= D``),
+    ``r = exp(d)``, per-token loss
     ``l = -A clip(r)`` and aggregation weights ``w`` (1 over exact counts):
 
     - ``d`` rounds by ``u |d|``, ``r`` is then off by ``f + u D`` relative, ``clip`` is
@@ -355,7 +356,9 @@ def loss_reference(
     (grad,) = torch.autograd.grad(loss, lp)
 
     agg_options = {k: v for k, v in options.items() if k in ("mode", "normalizer", "max_len")}
-    d = torch.where(mask.bool(), lp.detach() - old, torch.zeros_like(old))
+    clamp = float(options.get("log_ratio_clamp", 20.0))  # type: ignore[arg-type]
+    raw = torch.where(mask.bool(), lp.detach() - old, torch.zeros_like(old))
+    d = raw.clamp(-clamp, clamp)  # the loss sees the clamped log-ratio
     ratio = d.exp()
     adv_t = adv.view(-1, *([1] * (d.ndim - 1))).expand_as(d) if adv.ndim < d.ndim else adv
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
@@ -378,7 +381,8 @@ def loss_reference(
         grad_rel += f + u * (big_d + 6)
         r_rel += f + u * (big_d + 1)
     unclipped = (weights * adv_t * ratio).abs()
-    near = torch.zeros_like(ratio, dtype=torch.bool)
+    # within rounding of the log-ratio clamp, whether it stops the gradient may go either way
+    near = (raw.abs() - clamp).abs() <= 2 * unit_roundoff(dtype) * raw.abs()
     for edge in (1 - eps_low, 1 + eps_high, *(() if dual_clip is None else (dual_clip,))):
         near |= (ratio - edge).abs() <= 2 * r_rel * ratio
     grad_err = grad_rel * grad.abs() + torch.where(near & mask.bool(), unclipped, 0.0)
