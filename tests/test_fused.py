@@ -184,22 +184,28 @@ def test_scaled_backward_matches(c: dict[str, Any], grad_out: float) -> None:
     _, _, g_fused, g_ref = both(
         c["logp"], c["old_logp"], c["adv"], c["mask"], grad_out=grad_out, **c["kw"]
     )
-    # Each against the exact gradient times grad_out: the float32 gradient's bound, scaled,
-    # plus the rounding of the product and of the result to the input dtype (two roundings
-    # to bf16/fp16 where the reference rounds its gradient before scaling it).
     want = exact(c["logp"], c["old_logp"], c["adv"], c["mask"], torch.float32, **c["kw"])
+    assert_grad_close(g_fused, want, grad_out, "fused gradient")
+    assert_grad_close(g_ref, want, grad_out, "reference gradient")
+
+
+def assert_grad_close(
+    got: torch.Tensor, want: LossReference, grad_out: float = 1.0, what: str = "gradient"
+) -> None:
+    """``got`` (the gradient of ``grad_out * loss``, in the input dtype) within the bound of
+    the exact gradient times ``grad_out``: the float32 gradient's bound, scaled, plus the
+    rounding of the product and two roundings to the input dtype (the reference rounds its
+    gradient to bf16/fp16 before scaling it). Past the dtype's largest value the correctly
+    rounded gradient is +-inf (fp16 tops out at 65504): expected there; within the bound of
+    that edge, either is accepted."""
     scaled = want.grad * grad_out
     bound = abs(grad_out) * want.grad_err + round_bound(scaled.abs(), torch.float32)
-    dtype = c["logp"].dtype
-    bound = bound + 2 * round_bound(scaled.abs() + bound, dtype)
-    # Past the dtype's largest value the correctly rounded gradient is +-inf (fp16 tops out
-    # at 65504): expect it there; within the bound of that edge, accept either.
-    top = torch.finfo(dtype).max
-    want = torch.where(scaled.abs() - bound > top, scaled.sign() * math.inf, scaled)
-    for got, what in ((g_fused, "fused gradient"), (g_ref, "reference gradient")):
-        edge = ((scaled.abs() - top).abs() <= bound) & got.isinf()
-        edge &= got.double().sign() == scaled.sign()
-        assert_within(torch.where(edge, scaled, got.double()), want, bound, what)
+    bound = bound + 2 * round_bound(scaled.abs() + bound, got.dtype)
+    top = torch.finfo(got.dtype).max
+    target = torch.where(scaled.abs() - bound > top, scaled.sign() * math.inf, scaled)
+    edge = ((scaled.abs() - top).abs() <= bound) & got.isinf()
+    edge &= got.double().sign() == scaled.sign()
+    assert_within(torch.where(edge, scaled, got.double()), target, bound, what)
 
 
 @pytest.mark.parametrize("mode", MODES)
