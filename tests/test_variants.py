@@ -6,6 +6,15 @@ import math
 
 import pytest
 import torch
+from _bounds import (
+    F64,
+    advantage_bound,
+    assert_within,
+    func_rel,
+    gamma,
+    scale_of,
+    unit_roundoff,
+)
 from _strategies import MODES, PolicyBatch, make_batch, policy_batches
 from hypothesis import given
 from hypothesis import strategies as st
@@ -21,25 +30,49 @@ def test_gspo_equals_token_ppo_when_token_ratios_are_equal(
 ) -> None:
     b = make_batch(batch, seq, seed)
     g = torch.Generator().manual_seed(seed)
-    per_seq = torch.randn(batch, 1, generator=g) * shift  # one log-ratio per sequence
-    logp = (b.old_logp + per_seq).requires_grad_(True)
+    # Dyadic values (multiples of 2^-10, |x| < 16): logp - old_logp is then exactly the
+    # per-sequence log-ratio in float32, so every token's ratio is exp of the same number.
+    old = torch.round(b.old_logp * 1024) / 1024
+    per_seq = torch.round(torch.randn(batch, 1, generator=g) * shift * 1024) / 1024
+    logp = (old + per_seq).requires_grad_(True)
+    assert torch.equal(
+        torch.where(b.mask, logp.detach() - old, 0.0), torch.where(b.mask, per_seq, 0.0)
+    )
     logp2 = logp.detach().clone().requires_grad_(True)
     eps = {"eps_low": 0.2, "eps_high": 0.28}
-    gspo = d.gspo_surrogate(logp, b.old_logp, b.advantages, b.mask, **eps)
-    ppo = d.clip_higher_surrogate(logp2, b.old_logp, b.advantages, b.mask, **eps)
-    torch.testing.assert_close(gspo, ppo, rtol=1e-5, atol=1e-6)
+    gspo = d.gspo_surrogate(logp, old, b.advantages, b.mask, **eps)
+    ppo = d.clip_higher_surrogate(logp2, old, b.advantages, b.mask, **eps)
+    # The two may use different exp kernels (f each) and GSPO averages the log-ratios
+    # (exact here: equal dyadic values) and rescales by the length (two roundings).
+    f, u = func_rel(torch.float32), unit_roundoff(torch.float32)
+    r = per_seq.double().exp().expand_as(gspo)
+    mag = b.advantages.double().abs()[:, None] * torch.maximum(r, torch.tensor(1.28, dtype=F64))
+    assert_within(gspo, ppo, torch.where(b.mask, (2 * f + 4 * u) * mag, 0.0), "loss")
     gspo.sum().backward()
     ppo.sum().backward()
-    torch.testing.assert_close(logp.grad, logp2.grad, rtol=1e-5, atol=1e-6)
+    assert logp.grad is not None and logp2.grad is not None
+    assert_within(logp.grad, logp2.grad, torch.where(b.mask, (2 * f + 6 * u) * mag, 0.0), "grad")
 
 
 @given(policy_batches())
 def test_gspo_ratio_is_the_geometric_mean(b: PolicyBatch) -> None:
     s = d.gspo_sequence_ratio(b.logp, b.old_logp, b.mask)
+    # exact: exp of the mean of the (+-20 clamped) token log-ratios, clamped to +-10; the
+    # float32 value is off by f + u (|d|max + 1) + gamma(n + 1) mean|d| relative (the log
+    # differences round by u|d|, their mean by gamma(n + 1), exp adds f), float64's too
     for i in range(b.logp.shape[0]):
-        r = torch.exp(b.logp[i] - b.old_logp[i])[b.mask[i]].double()
-        want = float(r.prod() ** (1 / len(r))) if len(r) else 1.0
-        assert s[i].item() == pytest.approx(min(want, math.exp(10)), rel=1e-4)
+        dd = (b.logp[i].double() - b.old_logp[i].double())[b.mask[i]].clamp(-20, 20)
+        if not len(dd):
+            assert s[i].item() == 1.0
+            continue
+        want = torch.exp(dd.mean().clamp(-10, 10))
+        n = len(dd)
+        rel = sum(
+            func_rel(dt) + unit_roundoff(dt) * (float(dd.abs().max()) + 1)
+            + gamma(n + 1, dt) * float(dd.abs().mean())
+            for dt in (torch.float32, F64)
+        )  # fmt: skip
+        assert_within(s[i], want, rel * float(want), f"row {i}")
 
 
 @given(policy_batches(max_batch=4, max_seq=10))
@@ -116,16 +149,22 @@ def test_kl_zero_exactly_where_equal_only() -> None:
 @given(policy_batches(), st.floats(1.0, 5.0))
 def test_truncated_is_weights(b: PolicyBatch, cap: float) -> None:
     tok = d.truncated_is_weights(b.old_logp, b.logp, b.mask, cap=cap)
-    want = torch.exp(b.old_logp - b.logp).clamp(max=cap)
-    torch.testing.assert_close(tok, torch.where(b.mask, want, 0.0), rtol=1e-5, atol=1e-6)
+    # exact in float64 on the same inputs; float32: u |d| + f relative, the cap exact
+    dd = b.old_logp.double() - b.logp.double()
+    want = dd.exp().clamp(max=cap)
+    rel = func_rel(torch.float32) + unit_roundoff(torch.float32) * (dd.abs() + 2)
+    assert_within(tok, torch.where(b.mask, want, 0.0), torch.where(b.mask, rel * want, 0.0))
     seq = d.truncated_is_weights(b.old_logp, b.logp, b.mask, cap=cap, level="sequence")
     for i in range(b.logp.shape[0]):
-        log_w = float(torch.where(b.mask[i], b.old_logp[i] - b.logp[i], 0.0).double().sum())
+        row = dd[i][b.mask[i]]
         vals = seq[i][b.mask[i]]
         if vals.numel():
-            assert torch.allclose(
-                vals, torch.full_like(vals, math.exp(min(log_w, math.log(cap)))), rtol=1e-4
-            )
+            # the sequence's log-weight sums n rounded differences: gamma(n) sum|d| absolute
+            log_w = row.sum().clamp(-20, 20)
+            w = math.exp(min(float(log_w), math.log(cap)))
+            err = gamma(len(row) + 1, torch.float32) * float(row.abs().sum())
+            rel_w = func_rel(torch.float32) + err + unit_roundoff(torch.float32)
+            assert_within(vals, torch.full_like(vals, w, dtype=F64), rel_w * w, f"row {i}")
     assert not tok.requires_grad and bool((seq[~b.mask] == 0).all())
 
 
@@ -232,15 +271,16 @@ def test_presets_are_validated_and_own_read_only_peer_mappings() -> None:
 
 
 def verl_grpo_advantage(scores: torch.Tensor, uids: list[int], eps: float = 1e-6) -> torch.Tensor:
-    """verl's outcome advantage as its docs describe it: per-uid loop, float32, unbiased std,
-    a lone sample gets mean 0 and std 1."""
+    """verl's outcome advantage as its docs describe it: per-uid loop, unbiased std, a lone
+    sample gets mean 0 and std 1 (evaluated in the dtype of ``scores``: pass float64 for
+    a reference)."""
     groups: dict[int, list[torch.Tensor]] = {}
     for s, u in zip(scores, uids, strict=True):
         groups.setdefault(u, []).append(s)
     mean, std = {}, {}
     for u, vals in groups.items():
         if len(vals) == 1:
-            mean[u], std[u] = torch.tensor(0.0), torch.tensor(1.0)
+            mean[u], std[u] = scores.new_tensor(0.0), scores.new_tensor(1.0)
         else:
             t = torch.stack(vals)
             mean[u], std[u] = t.mean(), t.std()
@@ -252,9 +292,12 @@ def test_group_advantages_reproduce_verl(batch: int, max_id: int, seed: int) -> 
     g = torch.Generator().manual_seed(seed)
     uids = (torch.randint(0, max_id, (batch,), generator=g) * 13).tolist()
     scores = torch.randn(batch, generator=g)
-    want = verl_grpo_advantage(scores, uids)
+    want = verl_grpo_advantage(scores.double(), uids)
     got = d.group_advantages(scores, torch.tensor(uids), eps=1e-6, singleton="score")
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # denominators: the group std + eps (a lone sample: 1, its advantage its own score)
+    lone = torch.tensor([uids.count(u) == 1 for u in uids])
+    s = torch.where(lone, 1.0, scale_of(scores, uids, "group", eps=1e-6))
+    assert_within(got, want, advantage_bound(scores, want, s), "group advantages")
 
 
 @pytest.mark.parametrize("eps", [1e-4, 1e-9])
