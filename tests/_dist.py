@@ -193,6 +193,16 @@ HIDDEN = 8
 VOCAB = 5
 MAX_LEN = 12  # Dr. GRPO's constant L: >= every padded length below
 MICRO_BATCHES = 3  # per rank per optimiser step
+#: The toy problem runs in float64, so that comparing the distributed gradient with the
+#: single-process one tests the normalisation, not float32 summation order: see TOLERANCE.
+DTYPE = torch.float64
+#: Every gradient entry is a float64 sum of at most a few hundred token contributions
+#: (each a few dozen flops through the MLP), i.e. within about gamma(1000) = 1.1e-13 of
+#: the exact value relative to the sum of their magnitudes; the gradients are O(1e-2-1), so
+#: 1e-10 relative (plus 1e-12 absolute, for entries that cancel) is that bound with a wide
+#: margin for cancellation, and 1e4 times below any normalisation error (>= 1e-2 relative:
+#: the smallest micro-batch weight change in this layout).
+TOLERANCE = {"rtol": 1e-10, "atol": 1e-12}
 
 # (rows, padded seq length) of each micro-batch, per rank. Uneven on purpose.
 LAYOUT: dict[int, list[list[tuple[int, int]]]] = {
@@ -213,7 +223,8 @@ Batch = dict[str, torch.Tensor]
 
 def make_model() -> nn.Module:
     torch.manual_seed(1234)
-    return nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, VOCAB))
+    model = nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, VOCAB))
+    return model.to(DTYPE)
 
 
 def token_logp(model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -239,13 +250,13 @@ def make_data(world_size: int) -> list[list[Batch]]:
             if (rank, k) == FULLY_MASKED:
                 mask[:] = False
             batch: Batch = {
-                "features": torch.randn(rows, seq, FEATURES, generator=gen),
+                "features": torch.randn(rows, seq, FEATURES, generator=gen, dtype=DTYPE),
                 "tokens": torch.randint(0, VOCAB, (rows, seq), generator=gen),
-                "advantages": torch.randn(rows, generator=gen),
+                "advantages": torch.randn(rows, generator=gen, dtype=DTYPE),
                 "mask": mask,
             }
             with torch.no_grad():
-                noise = 0.3 * torch.randn(rows, seq, generator=gen)
+                noise = 0.3 * torch.randn(rows, seq, generator=gen, dtype=DTYPE)
                 batch["old_logp"] = token_logp(model, batch) + noise
             rank_batches.append(batch)
         data.append(rank_batches)
