@@ -6,6 +6,8 @@
   ``eps_high``, ``loss_type`` picks the aggregation and its normaliser, ``beta`` the k3 KL
   term (with TRL's ``use_bias_correction_kl``), ``delta`` the dual clip, and vLLM's importance-sampling correction the ``is_weights``.
   Everything else (generation, rewards, advantages, logging, checkpoints) is TRL's.
+  With ``dynamic_sampling=True`` it also drops the groups whose metric is constant and
+  generates more until the batch is full (:mod:`dapo_ops.integrations.trl_sampling`).
 - :class:`OverlongReward` is :func:`dapo_ops.overlong_reward` with the signature TRL expects
   of a reward function.
 - :func:`trl_policy_loss` is the mapping itself, as a pure function of tensors.
@@ -31,6 +33,7 @@ from dapo_ops._engine import policy_tensors, token_inputs
 from dapo_ops._validate import InputError
 from dapo_ops.aggregation import AggregationMode, token_level_aggregate
 from dapo_ops.diagnostics import PolicyDiagnostics
+from dapo_ops.integrations.trl_sampling import DynamicSampling, SamplingReport
 from dapo_ops.kl import KLPenalty, kl_penalty
 from dapo_ops.masks import high_entropy_mask, off_policy_sequence_mask
 from dapo_ops.objectives import CISPO, GSPO, SAPO, VESPO, ClipHigher, Objective
@@ -481,11 +484,65 @@ def _build_trainer_class() -> type:
         does not reproduce (other loss types, sequence-level importance sampling, entropy
         masks and bonuses, off-policy masks, MoE aux loss) raise ``ValueError`` at
         construction.
+
+        Dynamic sampling (DAPO's fourth technique, which TRL lacks), keyword-only options
+        after TRL's (details: :mod:`dapo_ops.integrations.trl_sampling`):
+
+        - ``dynamic_sampling`` (default ``False``): drop every group whose metric is
+          constant and generate more prompts until the batch is full or the cap is reached;
+          advantages are then computed on the kept groups only. Training only.
+        - ``max_generation_batches`` (int >= 1, default 10 with ``dynamic_sampling=True``):
+          generation batches per step, the first included. At the cap the step trains on
+          what was kept (the rest masked out, ``dynamic_sampling/partial_batch`` logged).
+        - ``sampling_metric`` (default ``"accuracy"``): the reward function whose raw
+          output decides, by its name in ``reward_func_names`` (``"accuracy"`` also finds
+          TRL's ``accuracy_reward``).
+
+        Either option given with ``dynamic_sampling=False`` raises ``InputError``.
+        ``last_dynamic_sampling`` holds the :class:`~dapo_ops.integrations.trl_sampling.SamplingReport`
+        of the last generation.
+
+        Example (``model``, ``config``, ``dataset`` and an ``accuracy`` reward function
+        defined as for ``GRPOTrainer``)::
+
+            trainer = DapoGRPOTrainer(
+                model=model,
+                reward_funcs=[accuracy, OverlongReward(max_len=4096, cache_len=512)],
+                args=config,
+                train_dataset=dataset,
+                dynamic_sampling=True,
+                max_generation_batches=5,
+                sampling_metric="accuracy",
+            )
         """
 
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
+        def __init__(
+            self,
+            *args: Any,
+            dynamic_sampling: bool = False,
+            max_generation_batches: int | None = None,
+            sampling_metric: str | None = None,
+            **kwargs: Any,
+        ) -> None:
+            sampling = DynamicSampling.from_options(
+                dynamic_sampling, max_generation_batches, sampling_metric
+            )
             super().__init__(*args, **kwargs)
             _check_supported(self)
+            self._dapo_sampling = None if sampling is None else sampling.bind(self)
+            self._dapo_rewards: Tensor | None = None
+            self.last_dynamic_sampling: SamplingReport | None = None
+
+        def _calculate_rewards(self, *args: Any, **kwargs: Any) -> Tensor:
+            rewards = super()._calculate_rewards(*args, **kwargs)
+            self._dapo_rewards = rewards  # [rows of all processes, reward functions]
+            return rewards  # type: ignore[no-any-return]
+
+        def _generate_and_score_completions(self, inputs: list[Any]) -> dict[str, Any]:
+            if getattr(self, "_dapo_sampling", None) is None or not self.model.training:
+                return super()._generate_and_score_completions(inputs)  # type: ignore[no-any-return]
+            score = super()._generate_and_score_completions
+            return self._dapo_sampling.generate(self, inputs, score)  # type: ignore[union-attr]
 
         def compute_loss(
             self,
