@@ -110,6 +110,24 @@ _TRL_OPTIONS = {
 }
 
 
+_BATCH_FILTERS = [
+    Feature(
+        "batch filter",
+        "verl",
+        "algorithm.filter_groups (metric, max_num_gen_batches)",
+        "verl_sampling.filter_groups",
+        "keeps one-sample groups as verl (keep_single_sample_groups=False: as dapo_ops)",
+    ),
+    Feature(
+        "batch filter",
+        "TRL",
+        "dynamic sampling (TRL only logs frac_reward_zero_std)",
+        "DapoGRPOTrainer(dynamic_sampling=True)",
+        "TRL 1.16 has none",
+    ),
+]
+
+
 def feature_rows() -> list[Feature]:
     """Every peer feature the parity issue lists, with its dapo_ops equivalent."""
     rows = []
@@ -128,6 +146,7 @@ def feature_rows() -> list[Feature]:
         rows.append(Feature("advantage estimator", "verl", name, eq, "" if eq else "not built yet"))
     rows += [Feature("rollout correction", "verl", k, v) for k, v in _ROLLOUT.items()]
     rows += [Feature("option", "TRL", k, eq, note) for k, (eq, note) in _TRL_OPTIONS.items()]
+    rows += _BATCH_FILTERS
     return rows
 
 
