@@ -124,7 +124,7 @@ def worker(out: str) -> None:
         per_device_train_batch_size=3,
         max_steps=2,
         dynamic_sampling=True,
-        max_generation_batches=6,
+        max_generation_batches=16,  # room: both steps must fill their batch
     )
     trainer.train()
     tok = trainer.processing_class
