@@ -65,7 +65,7 @@ def random_batch(rng: random.Random, prefix: str) -> tuple[list[float], list[str
         "score": lambda: float(rng.choice([-1, 0, 1])),
         "float": lambda: rng.choice([0.25, 0.5, rng.uniform(-3, 3)]),
     }[kind]
-    bias = {u: rng.random() < 0.5 for u in set(uids)}  # make constant groups common
+    bias = {u: rng.random() < 0.5 for u in sorted(set(uids))}  # constant groups are common
     return [1.0 if bias[u] and kind == "acc" else pick() for u in uids], uids
 
 
@@ -191,7 +191,7 @@ def test_loop_equals_the_recipe() -> None:
             assert trained[0] == "capped" and trained[2] == recipe[2]
         else:
             assert trained == recipe
-    assert min(outcomes.values()) >= 20 and len(outcomes) == 3, dict(outcomes)
+    assert min(outcomes.values()) >= 10 and len(outcomes) == 3, dict(outcomes)
 
 
 def test_keep_single_sample_groups_false_is_dynamic_sample_mask() -> None:
