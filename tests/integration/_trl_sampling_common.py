@@ -1,8 +1,12 @@
 """Shared set-up of the dynamic-sampling tests: rewards, prompts and a recording trainer.
 
-Also the worker of the two-process test (``python _trl_sampling_common.py OUT``, one per
-rank, ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` in the environment): it trains
-two steps on CPU with gloo and writes what its process kept to ``OUT``.
+Also the worker of the two-process test (``python _trl_sampling_common.py OUT STORE``, one
+per rank, ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` in the environment): it joins a gloo group
+through the ``file://`` store ``STORE`` (accelerate then uses that group), trains two steps
+on CPU and writes what its process kept to ``OUT``. The teardown follows
+``tests/_dist.py``: ``torch.distributed.nn`` imported before the group exists, the trainer
+(its DDP model) gone and a barrier before ``destroy_process_group``, so that no gloo thread
+outlives the group (else: "terminate called without an active exception" at exit).
 """
 
 from __future__ import annotations
@@ -107,13 +111,29 @@ def recording(cls: Any) -> Any:
     return Recording
 
 
-def worker(out: str) -> None:
+def worker(out: str, store: str) -> None:
+    import gc
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.nn  # noqa: F401  (before any group exists: see the docstring)
+
+    rank = int(os.environ["RANK"])
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=int(os.environ["WORLD_SIZE"])
+    )
+    Path(out).write_text(json.dumps(train_and_record(rank, out)))
+    gc.collect()  # the trainer and its DDP model are gone with train_and_record's frame
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def train_and_record(rank: int, out: str) -> dict[str, Any]:
     import torch
 
     from dapo_ops.integrations.trl import DapoGRPOTrainer
 
     torch.manual_seed(0)
-    rank = int(os.environ["RANK"])
     # 3 rows per micro-batch, 2 micro-batches, 2 processes: 12 rows = 3 groups of 4, so a
     # group spans both processes.
     trainer = make_trainer(
@@ -155,8 +175,8 @@ def worker(out: str) -> None:
         ],
         "steps": trainer.state.global_step,
     }
-    Path(out).write_text(json.dumps(record))
+    return record
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1])
+    worker(sys.argv[1], sys.argv[2])

@@ -17,7 +17,6 @@ import json
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -340,17 +339,11 @@ def test_options_are_validated(tmp_path: Path) -> None:
         )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.distributed
 def test_two_processes_keep_the_same_groups(tmp_path: Path) -> None:
-    """2 CPU processes (gloo through accelerate), a group spanning both: every process
-    makes the same decisions, and their slices put together are the kept groups."""
-    port = free_port()
+    """2 CPU processes (a gloo group that accelerate adopts), a group spanning both: every
+    process makes the same decisions, and their slices put together are the kept groups.
+    A process that does not exit cleanly fails the test."""
     procs = []
     for rank in range(2):
         env = {
@@ -358,14 +351,14 @@ def test_two_processes_keep_the_same_groups(tmp_path: Path) -> None:
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
             "WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
+            "LOCAL_WORLD_SIZE": "2",  # one host (accelerate wants MASTER_ADDR otherwise)
             "OMP_NUM_THREADS": "1",
         }
         script = Path(__file__).with_name("_trl_sampling_common.py")
+        out, store = tmp_path / f"rank{rank}.json", tmp_path / "store"
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(script), str(tmp_path / f"rank{rank}.json")],
+                [sys.executable, str(script), str(out), str(store)],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
