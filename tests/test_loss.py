@@ -6,7 +6,15 @@ import math
 
 import pytest
 import torch
-from _bounds import F64, assert_within, func_rel, gamma, loss_reference, sum_bound, unit_roundoff
+from _bounds import (
+    F64,
+    assert_within,
+    func_rel,
+    gamma_ref,
+    loss_reference,
+    sum_bound,
+    unit_roundoff,
+)
 from _strategies import MODES, PolicyBatch, make_batch, policy_batches
 from hypothesis import given
 from hypothesis import strategies as st
@@ -120,18 +128,21 @@ def test_diagnostics_match_a_loop(b: PolicyBatch, dual_clip: float | None) -> No
         assert d.clipped_dual.item() == sum(1 for r, a in rows if a < 0 and r > dual_clip)
     if n:
         # The loop's r is a scalar float32 exp, ours a vectorised one: each within f of
-        # exp. ratio_sum is a float32 sum of n terms (then float64); min/max pick one r.
+        # exp. ratio_sum is a float32 sum of n terms (then float64, divided by n); min/max
+        # pick one r. The loop's values are then averaged in float64: gamma_ref adds that.
         f, u = func_rel(torch.float32), unit_roundoff(torch.float32)
         r64 = torch.tensor([r for r, _ in rows], dtype=F64)
-        bound_mean = (2 * f + gamma(n, torch.float32)) * float(r64.abs().mean())
+        bound_mean = (2 * f + gamma_ref(n, torch.float32)) * float(r64.abs().mean())
         assert_within(d.ratio_mean, r64.mean(), bound_mean, "ratio_mean")
         assert_within(d.ratio_min, r64.min(), 2 * f * float(r64.min()), "ratio_min")
         assert_within(d.ratio_max, r64.max(), 2 * f * float(r64.max()), "ratio_max")
         # k3 per token, (r - 1) - log r: r off by 2f relative between the two, log r by
         # f + u/r^... : bounded by (2 f + 3 u)(r + |log r| + 1) per token, then the sum
+        # (the float64 loop's own log and three roundings: f64 + 3 u64 of the same terms)
         kl_t = (r64 - 1) - r64.log()
-        per_token = (2 * f + 3 * u) * (r64 + r64.log().abs() + 1) + 2 * f * (r64 - 1).abs()
-        bound_kl = (float(per_token.sum()) + gamma(n, torch.float32) * float(kl_t.sum())) / n
+        rel_t = 2 * f + 3 * u + func_rel(F64) + 3 * unit_roundoff(F64)
+        per_token = rel_t * (r64 + r64.log().abs() + 1) + 2 * f * (r64 - 1).abs()
+        bound_kl = (float(per_token.sum()) + gamma_ref(n, torch.float32) * float(kl_t.sum())) / n
         assert_within(d.approx_kl, kl_t.mean(), bound_kl, "approx_kl")
         assert d.approx_kl.item() >= 0
         assert math.isfinite(d.approx_kl.item())
