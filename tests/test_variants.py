@@ -12,6 +12,7 @@ from _bounds import (
     assert_within,
     func_rel,
     gamma,
+    gamma_ref,
     loss_reference,
     scale_of,
     unit_roundoff,
@@ -43,16 +44,32 @@ def test_gspo_equals_token_ppo_when_token_ratios_are_equal(
     eps = {"eps_low": 0.2, "eps_high": 0.28}
     gspo = d.gspo_surrogate(logp, old, b.advantages, b.mask, **eps)
     ppo = d.clip_higher_surrogate(logp2, old, b.advantages, b.mask, **eps)
-    # The two may use different exp kernels (f each) and GSPO averages the log-ratios
-    # (exact here: equal dyadic values) and rescales by the length (two roundings).
-    f, u = func_rel(torch.float32), unit_roundoff(torch.float32)
-    r = per_seq.double().exp().expand_as(gspo)
-    mag = b.advantages.double().abs()[:, None] * torch.maximum(r, torch.tensor(1.28, dtype=F64))
-    assert_within(gspo, ppo, torch.where(b.mask, (2 * f + 4 * u) * mag, 0.0), "loss")
     gspo.sum().backward()
     ppo.sum().backward()
     assert logp.grad is not None and logp2.grad is not None
-    assert_within(logp.grad, logp2.grad, torch.where(b.mask, (2 * f + 6 * u) * mag, 0.0), "grad")
+    # The exact value of both, in float64: every token of row i has the ratio r = e^x,
+    # x = per_seq[i] (exact), so the loss is -min(r A, clip(r) A) and its gradient -A r
+    # where the clip is not active, 0 where it is.
+    x = per_seq.double().expand(batch, seq)
+    r, a = x.exp(), b.advantages.double()[:, None].expand(batch, seq)
+    lo, hi = 1 - eps["eps_low"], 1 + eps["eps_high"]
+    want = -torch.minimum(r * a, r.clamp(lo, hi) * a)
+    active = ((a > 0) & (r > hi)) | ((a < 0) & (r < lo))
+    want_grad = torch.where(active, 0.0, -a * r)
+    # Each float32 path: GSPO's mean of the equal log-ratios may round (a sum times 1 / n:
+    # 2 u |x|), exp adds f, the clip bounds, the rescaling by the length and the products
+    # with A and the upstream gradient round at most 6 times: r within f + 2u|x| + 6u, the
+    # results within that of |A| max(r, 1 + eps_high) (float64's own terms added). Within
+    # that bound of a clip bound the clip decision may go either way: there the gradient's
+    # bound is the whole |A r|.
+    rel = sum(func_rel(dt) + unit_roundoff(dt) * (2 * x.abs() + 6) for dt in (torch.float32, F64))
+    mag = a.abs() * torch.maximum(r, torch.tensor(hi, dtype=F64))
+    near = ((r - lo).abs() <= 2 * rel * r) | ((r - hi).abs() <= 2 * rel * r)
+    bound = torch.where(b.mask, rel * mag, 0.0)
+    grad_bound = torch.where(b.mask, rel * mag + torch.where(near, (a * r).abs(), 0.0), 0.0)
+    for loss, grad, what in ((gspo, logp.grad, "GSPO"), (ppo, logp2.grad, "token PPO")):
+        assert_within(loss, torch.where(b.mask, want, 0.0), bound, f"{what} loss")
+        assert_within(grad, torch.where(b.mask, want_grad, 0.0), grad_bound, f"{what} gradient")
 
 
 @given(policy_batches())
@@ -97,8 +114,13 @@ def test_gspo_gradient_is_the_papers(b: PolicyBatch) -> None:
         if n[i] == 0:
             continue
         a = float(b.advantages[i])
-        clipped = (a > 0 and s[i] > 1 + eps_high) or (a < 0 and s[i] < 1 - eps_low)
-        want = 0.0 if clipped else -float(s[i]) * a / int(n[i]) / groups
+        si = float(s[i])
+        if any(
+            abs(si - e) <= unit_roundoff(torch.float32) * e for e in (1 - eps_low, 1 + eps_high)
+        ):
+            continue  # on a clip bound rounded to float32: the decision is the rounding's
+        clipped = (a > 0 and si > 1 + eps_high) or (a < 0 and si < 1 - eps_low)
+        want = 0.0 if clipped else -si * a / int(n[i]) / groups
         assert logp.grad is not None
         # the same float32 s_i, times A, over n_i and |S|: four roundings (float64's too)
         bound = 4 * (unit_roundoff(torch.float32) + unit_roundoff(F64)) * abs(want)
@@ -119,8 +141,9 @@ def test_cispo_gradient_is_the_clipped_weight_and_bounded_by_cap(
     a = b.advantages[:, None].expand_as(b.logp).double()
     dd = b.logp.double() - b.old_logp.double()
     w = dd.exp().clamp(floor, cap)
-    # float32: d rounds by u|d|, exp adds f, the clamp is exact, * -A rounds once
-    rel = func_rel(torch.float32) + unit_roundoff(torch.float32) * (dd.abs() + 2)
+    # float32: d rounds by u|d|, exp adds f, the clamp is exact, * -A rounds once (the
+    # float64 reference's own terms added)
+    rel = sum(func_rel(dt) + unit_roundoff(dt) * (dd.abs() + 2) for dt in (torch.float32, F64))
     want = torch.where(b.mask, -w * a, 0.0)
     assert_within(logp.grad, want, torch.where(b.mask, rel * (w * a).abs(), 0.0), "gradient")
     # |grad| <= cap |A|, up to the product's rounding
@@ -135,11 +158,14 @@ def test_kl_estimators(b: PolicyBatch, estimator: str) -> None:
     kl = d.kl_penalty(b.logp, b.old_logp, b.mask, estimator=estimator)  # type: ignore[arg-type]
     delta = b.logp.double() - b.old_logp.double()
     want = {"k1": delta, "k2": delta**2 / 2, "k3": torch.exp(-delta) + delta - 1}[estimator]
-    # float32: delta rounds by u|delta| (k2 doubles that relative error), exp adds f; k3's
-    # three terms (magnitudes e^-delta, |delta|, 1) each round once more
-    f, u = func_rel(torch.float32), unit_roundoff(torch.float32)
+    # float32: delta rounds by u|delta| (k2 squares it: 3 roundings), exp adds f; k3's
+    # three terms (magnitudes e^-delta, |delta|, 1): 3 roundings. The float64 reference's
+    # delta is exact (a difference of float32 values), the rest rounds as float32 does,
+    # with float64's u and f: gamma_ref(k) plus both f.
+    f, u = func_rel(torch.float32) + func_rel(F64), unit_roundoff(torch.float32)
     mag = {"k1": delta.abs(), "k2": delta**2, "k3": torch.exp(-delta) + delta.abs() + 1}
-    rel = {"k1": u, "k2": 3 * u, "k3": f + 3 * u}[estimator]
+    k = {"k1": 1, "k2": 3, "k3": 3}[estimator]
+    rel = gamma_ref(k, torch.float32) + (f if estimator == "k3" else 0.0)
     err = rel * mag[estimator] + ((-delta).exp() * u * delta.abs() if estimator == "k3" else 0)
     assert_within(kl, torch.where(b.mask, want, 0.0), torch.where(b.mask, err, 0.0), estimator)
     if estimator != "k1":
@@ -163,9 +189,10 @@ def test_kl_zero_exactly_where_equal_only() -> None:
 def test_truncated_is_weights(b: PolicyBatch, cap: float) -> None:
     tok = d.truncated_is_weights(b.old_logp, b.logp, b.mask, cap=cap)
     # exact in float64 on the same inputs; float32: u |d| + f relative, the cap exact
+    # (rounded to float32: u); float64's own terms added
     dd = b.old_logp.double() - b.logp.double()
     want = dd.exp().clamp(max=cap)
-    rel = func_rel(torch.float32) + unit_roundoff(torch.float32) * (dd.abs() + 2)
+    rel = sum(func_rel(dt) + unit_roundoff(dt) * (dd.abs() + 2) for dt in (torch.float32, F64))
     assert_within(tok, torch.where(b.mask, want, 0.0), torch.where(b.mask, rel * want, 0.0))
     seq = d.truncated_is_weights(b.old_logp, b.logp, b.mask, cap=cap, level="sequence")
     for i in range(b.logp.shape[0]):
@@ -173,10 +200,12 @@ def test_truncated_is_weights(b: PolicyBatch, cap: float) -> None:
         vals = seq[i][b.mask[i]]
         if vals.numel():
             # the sequence's log-weight sums n rounded differences: gamma(n) sum|d| absolute
+            # (the float64 reference's sum: gamma_ref), then exp adds f (float64's too) and
+            # the cap rounds to float32 (u)
             log_w = row.sum().clamp(-20, 20)
             w = math.exp(min(float(log_w), math.log(cap)))
-            err = gamma(len(row) + 1, torch.float32) * float(row.abs().sum())
-            rel_w = func_rel(torch.float32) + err + unit_roundoff(torch.float32)
+            err = gamma_ref(len(row) + 1, torch.float32) * float(row.abs().sum())
+            rel_w = func_rel(torch.float32) + func_rel(F64) + err + unit_roundoff(torch.float32)
             assert_within(vals, torch.full_like(vals, w, dtype=F64), rel_w * w, f"row {i}")
     assert not tok.requires_grad and bool((seq[~b.mask] == 0).all())
 
@@ -200,7 +229,7 @@ def test_loss_with_is_weights_and_kl_is_the_composition() -> None:
         x64.exp() + x64.abs() + 1
     )
     n = int(b.mask.sum())
-    c = 30 * func_rel(torch.float32) + gamma(30 + n + 2, torch.float32)
+    c = sum(30 * func_rel(dt) + gamma(30 + n + 2, dt) for dt in (torch.float32, F64))
     bound = c * float(torch.where(b.mask, mag, 0.0).sum()) / n
     lp64 = b.logp.double()
     want = d.token_level_loss(
@@ -280,7 +309,7 @@ def test_presets_reproduce_their_papers(name: str, b: PolicyBatch) -> None:
         mag = mag + preset.kl.beta * (x.exp() + x.abs() + 1)
     agg = d.token_level_aggregate(mag, b.mask, mode=preset.mode, max_len=32)
     k = 30 + b.logp.shape[1]
-    c = k * func_rel(torch.float32) + gamma(k + b.logp.numel(), torch.float32)
+    c = sum(k * func_rel(dt) + gamma(k + b.logp.numel(), dt) for dt in (torch.float32, F64))
     assert_within(got, paper_loss(preset, b, ref, 32), c * float(agg), name)
 
 
@@ -484,8 +513,28 @@ def test_gspo_verl_clamp_reproduces_verl_and_differs_for_large_ratios() -> None:
         value = fn(lp)
         value.backward()
         grads[name] = (value.detach(), lp.grad)
-    torch.testing.assert_close(grads["ours(verl_clamp)"][0], grads["verl"][0])
-    torch.testing.assert_close(grads["ours(verl_clamp)"][1], grads["verl"][1])
+    # Two float64 evaluations of one formula. Per valid token of row i at most K = 30
+    # operations and elementary functions (the row's mean log-ratio sums at most seq terms)
+    # on the magnitude m_t = |A_i| max(s_i, 1 + eps_high) / (n_i G) (s_i = e^min(log s_i, 10),
+    # n_i its tokens, G the non-empty rows): a gradient entry within c = K f + gamma(K + seq)
+    # of m_t of the exact one, the loss (a sum over the rows on top) within
+    # K f + gamma(K + numel) of sum m_t; so the two evaluations within twice that of each
+    # other. Where s_i lies within that of a clip bound, or log s_i of verl's clamp, one
+    # may cut the gradient and the other not: there the gradient's bound is the whole m_t.
+    dd = torch.where(mask, logp - b.old_logp, 0.0)
+    n_i = mask.sum(-1, keepdim=True)
+    log_s = dd.sum(-1, keepdim=True) / n_i
+    s = log_s.clamp(max=10.0).exp()
+    rows = int(mask.any(-1).sum())
+    m_t = torch.where(mask, adv.abs()[:, None] * s.clamp(min=1 + 4e-4) / (n_i * rows), 0.0)
+    k, seq = 30, mask.shape[1]
+    c = k * func_rel(F64) + gamma(k + seq, F64)
+    near = ((s - (1 - 3e-4)).abs() <= 2 * c * s) | ((s - (1 + 4e-4)).abs() <= 2 * c * s)
+    near |= (log_s - 10.0).abs() <= 2 * c * (dd.abs().sum(-1, keepdim=True) / n_i + 10.0)
+    loss_bound = 2 * (k * func_rel(F64) + gamma(k + mask.numel(), F64)) * float(m_t.sum())
+    grad_bound = 2 * c * m_t + torch.where(near & mask, m_t, 0.0)
+    assert_within(grads["ours(verl_clamp)"][0], grads["verl"][0], loss_bound, "loss")
+    assert_within(grads["ours(verl_clamp)"][1], grads["verl"][1], grad_bound, "gradient")
     assert bool((grads["verl"][1][0] == 0).all())  # verl: no gradient past the clamp
     assert bool((grads["ours"][1][0][mask[0]] != 0).all())  # ours: -A s_i with s_i = e^10
 
@@ -497,12 +546,21 @@ def test_kl_clamp_reproduces_verl_low_var_kl() -> None:
     kl = ref - logp
     verl = torch.clamp(torch.exp(kl) - kl - 1, min=-10, max=10)
     ours = d.kl_penalty(logp, ref, estimator="k3", clamp=10.0)
-    torch.testing.assert_close(ours, verl)
+    # Two float64 evaluations of k3 = e^x - x - 1 (x = ref - logp; clamped: 7 and 29 far
+    # past 10, -0.2 and 0 far inside) and of its gradient 1 - e^x (0 past the clamp): a
+    # few operations (K = 10) and one exp on magnitudes e^x + |x| + 1, each within
+    # c = K f + gamma(K) of the exact value, so within 2 c of each other.
+    x = kl.detach()
+    mag = x.exp() + x.abs() + 1
+    c = 10 * func_rel(F64) + gamma(10, F64)
+    assert_within(ours, verl, 2 * c * mag, "low_var_kl value")
     (g_ours,) = torch.autograd.grad(ours.sum(), logp)
     logp2 = logp.detach().clone().requires_grad_(True)
     kl2 = ref - logp2
     (g_verl,) = torch.autograd.grad(torch.clamp(torch.exp(kl2) - kl2 - 1, -10, 10).sum(), logp2)
-    torch.testing.assert_close(g_ours, g_verl)
+    assert_within(g_ours, g_verl, 2 * c * mag, "low_var_kl gradient")
+    clamped = torch.tensor([[False, True, False, True]])
+    assert bool((g_ours[clamped] == 0).all()) and bool((g_verl[clamped] == 0).all())
     assert float(d.kl_penalty(logp.detach(), ref)[0, 1]) > 10  # ours, unclamped by default
     # the fused loss path uses the same value and gradient
     mask = torch.ones_like(logp, dtype=torch.bool)
@@ -511,9 +569,12 @@ def test_kl_clamp_reproduces_verl_low_var_kl() -> None:
     lp = logp.detach().clone().requires_grad_(True)
     loss = d.policy_loss(d.ClipHigher(), lp, ref, adv, mask, ref_logp=ref, kl=kl_value)
     loss.backward()
-    torch.testing.assert_close(loss, 0.5 * verl.mean())
+    # the same per-token terms (A = 0: the policy term is exactly 0), times beta, over the
+    # 4 tokens: gamma(K + 4) more for the sum of 4 terms and the scalings
+    c_sum = 10 * func_rel(F64) + gamma(10 + 4, F64)
+    assert_within(loss, 0.5 * verl.mean(), 2 * c_sum * 0.5 * float(mag.sum()) / 4, "loss")
     assert lp.grad is not None
-    torch.testing.assert_close(lp.grad, 0.5 * g_verl / 4)
+    assert_within(lp.grad, 0.5 * g_verl / 4, 2 * c_sum * 0.5 * mag / 4, "loss gradient")
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "abs"])
@@ -609,9 +670,15 @@ def test_is_weights_two_sided_and_batch_normalized(b: PolicyBatch, level: str) -
     inside = (raw >= 0.5) & (raw <= 2.0)
     assert torch.equal(w, torch.where(inside, raw, 0.0))
     n = d.truncated_is_weights(b.old_logp, b.logp, b.mask, level=level, batch_normalize=True)  # type: ignore[arg-type]
-    if level == "token" and bool(b.mask.any()):
+    plain = d.truncated_is_weights(b.old_logp, b.logp, b.mask, level=level)  # type: ignore[arg-type]
+    if level == "token" and bool(b.mask.any()) and float(plain[b.mask].double().mean()) > 1e-8:
+        # n_i = fl(w_i / m), m = fl(fl(sum w) / N) over the N valid tokens (positive w;
+        # the zeros at masked positions add exactly): the float64 mean of the n_i is
+        # sum w_i (1 + d_i) / sum w_j (1 + t_j), each factor a quotient of at most N + 1
+        # roundings, so within gamma(N + 1) of 1, plus the float64 mean's own gamma(N)
+        count = int(b.mask.sum())
         mean = n[b.mask].double().mean()
-        assert abs(float(mean) - 1.0) < 1e-5 or float(mean) == 0.0
+        assert_within(mean, torch.tensor(1.0, dtype=F64), gamma_ref(count + 2, torch.float32))
 
 
 def test_rollout_correction_bad_options_name_the_argument() -> None:
