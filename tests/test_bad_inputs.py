@@ -143,6 +143,13 @@ METRIC = Arg("float", ("B", "S"), nan=RAISE, posinf=RAISE, neginf=RAISE)  # [gro
 SCORES = Arg("float", ("B", "S"))  # [groups, samples]; NaN propagates
 LENGTHS = Arg("count", ("B",), nan=RAISE, posinf=RAISE, neginf=RAISE)
 
+# The optimal token baseline's variance weights: a value enters only the baselines of its
+# group at and after its slot, so where the baseline is 0 (a one-sample group, the zero
+# tail) a non-finite one enters nothing (the documented formula).
+OTB_LOGP = Arg(
+    "float", ("B", "S"), masked_by="mask", lo=-3.0, hi=-0.05, nan=ANY, posinf=ANY, neginf=ANY
+)
+
 BAD_PROB = (-0.1, 1.0, NAN, INF, "0.2")  # an open-upper fraction such as eps_low
 BAD_POS = (0.0, -1.0, NAN, INF, "1")  # a finite number > 0
 BAD_NONNEG = (-1e-3, NAN, INF, "0")  # a finite number >= 0
@@ -192,6 +199,7 @@ REGISTRY: list[Spec] = [
     spec("off_policy_sequence_mask", {"threshold": (NAN, "0.5")}, advantages=dataclasses.replace(ADV_M, nan=ANY), logp=dataclasses.replace(LOGP_M, nan=ANY), sampling_logp=dataclasses.replace(LOGP_M, nan=ANY), mask=MASK, threshold=0.5),
     spec("offpolicy_metrics", old_logp=LOGP_M, rollout_logp=LOGP_M, mask=MASK, is_weights=dataclasses.replace(IS_W, const=False)),
     spec("opo_advantages", scores=SCORES, lengths=Arg("count", ("B", "S"), float_dtype=torch.int64)),
+    spec("optimal_token_baseline_advantages", {"align": ("turn", None), "zero_tail": BAD_BOOL, "eps": BAD_NONNEG}, rewards=TOKEN, old_logp=OTB_LOGP, sum_pi_squared=dataclasses.replace(OTB_LOGP, lo=0.2, hi=1.0), mask=MASK, group_ids=GROUP_IDS, is_weights=dataclasses.replace(OTB_LOGP, lo=0.5, hi=1.5)),
     spec("passk_advantages", {"eps": BAD_NONNEG, "scale": BAD_BOOL}, scores=SCORES, min_seq=2),
     spec("reinforce_pp_advantages", {"gamma": (-0.1, 1.5, NAN, INF)}, rewards=TOKEN, mask=MASK),
     spec("rejection_mask", {"statistic": ("k9",), "level": ("seq",), "upper": BAD_POS, "lower": (-0.1, NAN, INF)}, old_logp=dataclasses.replace(LOGP_M, nan=ANY), rollout_logp=dataclasses.replace(LOGP_M, nan=ANY), mask=MASK, upper=2.0),

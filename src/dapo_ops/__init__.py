@@ -54,6 +54,7 @@ from dapo_ops.objectives import (
     PolicyGradient,
 )
 from dapo_ops.offpolicy import OffPolicyMetrics, offpolicy_metrics
+from dapo_ops.optimal_baseline import optimal_token_baseline_advantages
 from dapo_ops.policy import policy_loss, policy_loss_with_diagnostics
 from dapo_ops.presets import ObjectivePreset
 from dapo_ops.returns import (
@@ -108,6 +109,7 @@ __all__ = [
     "off_policy_sequence_mask",
     "offpolicy_metrics",
     "opo_advantages",
+    "optimal_token_baseline_advantages",
     "overlong_filter",
     "overlong_reward",
     "passk_advantages",

@@ -73,9 +73,16 @@ _ESTIMATORS = {
     "gpg": "gpg_advantages",
     "remax": "remax_advantages",
     "gdpo": "gdpo_advantages",
-    "optimal_token_baseline": "",
-    "tir_optimal_token_baseline": "",
+    "optimal_token_baseline": "optimal_token_baseline_advantages "
+    "(verl: dapo_ops_optimal_token_baseline)",
+    "tir_optimal_token_baseline": 'optimal_token_baseline_advantages(align="response_token") '
+    "(verl: dapo_ops_tir_optimal_token_baseline)",
 }
+_OTB_NOTE = (
+    "verl's trainer passes sum_pi_squared only to verl's own name: "
+    "verl_estimators.register_estimators(replace_verl=True)"
+)
+_ESTIMATOR_NOTES = {"optimal_token_baseline": _OTB_NOTE, "tir_optimal_token_baseline": _OTB_NOTE}
 _ROLLOUT = {
     "rollout_is=token": 'truncated_is_weights(level="token")',
     "rollout_is=sequence": 'truncated_is_weights(level="sequence")',
@@ -143,7 +150,8 @@ def feature_rows() -> list[Feature]:
         rows.append(Feature("objective", "TRL", name, eq, "" if ok else "not built yet"))
     rows += [Feature("KL estimator", "verl", k, v) for k, v in _KL.items()]
     for name, eq in _ESTIMATORS.items():
-        rows.append(Feature("advantage estimator", "verl", name, eq, "" if eq else "not built yet"))
+        note = _ESTIMATOR_NOTES.get(name, "") if eq else "not built yet"
+        rows.append(Feature("advantage estimator", "verl", name, eq, note))
     rows += [Feature("rollout correction", "verl", k, v) for k, v in _ROLLOUT.items()]
     rows += [Feature("option", "TRL", k, eq, note) for k, (eq, note) in _TRL_OPTIONS.items()]
     rows += _BATCH_FILTERS

@@ -13,7 +13,9 @@
   that a group whose spread is float rounding gets exactly 0.
 - :mod:`dapo_ops.integrations.verl_losses` states every other verl ``loss_mode`` that has
   an objective here (``sapo``, ``dppo_tv``, ``gspo``, ...) and registers each as
-  ``dapo_ops_<loss_mode>``.
+  ``dapo_ops_<loss_mode>``; :mod:`dapo_ops.integrations.verl_estimators` registers the
+  optimal-token-baseline estimators as ``dapo_ops_optimal_token_baseline`` and
+  ``dapo_ops_tir_optimal_token_baseline``.
 - :func:`register` puts all of them into verl's registries. Importing this module in a process
   that has imported verl registers them too, so
   ``VERL_USE_EXTERNAL_MODULES=dapo_ops.integrations.verl`` (which verl imports in every
@@ -205,7 +207,8 @@ def compute_grpo_outcome_advantage(
 
 
 def register(loss_name: str = LOSS_NAME, adv_estimator_name: str = ADV_ESTIMATOR_NAME) -> None:
-    """Register :func:`compute_policy_loss` and :func:`compute_grpo_outcome_advantage` in verl.
+    """Register :func:`compute_policy_loss`, :func:`compute_grpo_outcome_advantage` and the
+    other ``dapo_ops_*`` losses and estimators in verl.
 
     Idempotent (a second call replaces the entries). Imports ``verl.trainer.ppo.core_algos``.
     """
@@ -215,6 +218,9 @@ def register(loss_name: str = LOSS_NAME, adv_estimator_name: str = ADV_ESTIMATOR
     from dapo_ops.integrations.verl_losses import register_all  # it imports this module
 
     register_all()
+    from dapo_ops.integrations.verl_estimators import register_estimators
+
+    register_estimators()
     # register_adv_est refuses a second function under a name (a reloaded module's).
     core_algos.ADV_ESTIMATOR_REGISTRY.pop(adv_estimator_name, None)
     core_algos.register_adv_est(adv_estimator_name)(compute_grpo_outcome_advantage)
