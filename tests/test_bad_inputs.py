@@ -112,6 +112,14 @@ def spec(
     return Spec(name, args, fixed, options or {}, min_seq, empty)
 
 
+@dataclasses.dataclass(frozen=True)
+class Fresh:
+    """A fixed argument made anew for every call (a seeded ``torch.Generator``: each call
+    draws the same numbers, so two calls can be compared bit for bit)."""
+
+    make: Callable[[], Any]
+
+
 #: Extra dimension sizes (batch and seq are drawn; groups = batch, samples = seq).
 SIZES = {"V": 7, "D": 3, "C": 2, "G": 3}
 
@@ -157,21 +165,27 @@ BAD_INT1 = (0, -1, 2.5, NAN, True, "3")  # an int >= 1
 BAD_BOOL = (1, "yes", None)
 BAD_MODE = ("mean", "", None)
 BAD_NORM = (0.0, -1.0, NAN, INF)  # normalizer: a count > 0
+# The covariance selections: nothing is differentiated (no constant to guard), and a
+# non-finite input makes the covariance non-finite (no candidate, or a documented draw).
+COV_LOGP = dataclasses.replace(LOGP_M, nan=ANY)
+COV_ADV = dataclasses.replace(ADV_M, nan=ANY)
 OBJ = d.ClipHigher()
 KL = d.KLPenalty()
 
 REGISTRY: list[Spec] = [
     # ------------------------------------------------------------ loss path
     spec("aggregate_partial", {"mode": BAD_MODE, "max_len": BAD_INT1}, per_token_loss=TOKEN, mask=MASK),
+    spec("clip_cov_mask", {"eps_low": BAD_PROB, "eps_high": (-0.1, NAN, INF), "fraction": (0.0, 1.5, NAN, "0.1"), "cov_low": (NAN, "1"), "cov_high": (NAN, None), "log_ratio_clamp": BAD_POS, "generator": ("seed", 0)}, logp=COV_LOGP, old_logp=COV_LOGP, advantages=COV_ADV, mask=MASK, generator=Fresh(lambda: torch.Generator().manual_seed(0))),
     spec("cispo_surrogate", {"cap": (0.5, NAN, INF), "floor": (-0.1, 1.5, NAN), "log_ratio_clamp": BAD_POS}, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK),
     spec("clip_higher_surrogate", {"eps_low": BAD_PROB, "eps_high": (-0.1, NAN, INF), "dual_clip": (1.0, 0.5, NAN, INF), "log_ratio_clamp": BAD_POS}, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK),
     spec("gspo_sequence_ratio", logp=LOGP, old_logp=OLD, mask=MASK),
     spec("gspo_surrogate", {"eps_low": BAD_PROB, "eps_high": (-0.1, NAN, INF)}, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK),
+    spec("kl_cov_mask", {"fraction": (0.0, 1.5, NAN, "0.1")}, logp=COV_LOGP, advantages=COV_ADV, mask=MASK),
     spec("kl_penalty", {"estimator": ("k9", None), "log_ratio_clamp": BAD_POS, "clamp": BAD_POS, "straight_through": BAD_BOOL}, logp=LOGP, ref_logp=OLD, mask=MASK),
     spec("objective_diagnostics", objective=OBJ, logp=LOGP_M, old_logp=LOGP_M, advantages=ADV_DIAG, mask=MASK, entropy=ENTROPY, empty="any"),
     spec("per_token_loss", objective=OBJ, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK),
     spec("policy_diagnostics", {"eps_low": BAD_PROB, "eps_high": (-0.1, NAN, INF), "dual_clip": (1.0, NAN), "log_ratio_clamp": BAD_POS}, logp=LOGP_M, old_logp=LOGP_M, advantages=ADV_DIAG, mask=MASK, empty="any"),
-    spec("policy_loss", {"mode": BAD_MODE, "normalizer": BAD_NORM, "max_len": BAD_INT1, "compiled": BAD_BOOL}, objective=OBJ, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK, ref_logp=OLD, is_weights=IS_W, kl=KL),
+    spec("policy_loss", {"mode": BAD_MODE, "normalizer": BAD_NORM, "max_len": BAD_INT1, "compiled": BAD_BOOL}, objective=OBJ, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK, ref_logp=OLD, is_weights=IS_W, kl=KL, kl_weights=IS_W),
     spec("policy_loss_with_diagnostics", {"mode": BAD_MODE, "normalizer": BAD_NORM, "max_len": BAD_INT1}, objective=OBJ, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK, ref_logp=OLD, is_weights=IS_W, kl=KL, empty="any"),
     spec("token_level_aggregate", {"mode": BAD_MODE, "normalizer": BAD_NORM, "max_len": BAD_INT1}, per_token_loss=TOKEN, mask=MASK),
     spec("token_level_loss", {"eps_low": BAD_PROB, "eps_high": (-0.1, NAN, INF), "mode": BAD_MODE, "normalizer": BAD_NORM, "dual_clip": (1.0, NAN), "max_len": BAD_INT1, "log_ratio_clamp": BAD_POS, "kl_beta": BAD_NONNEG, "kl_estimator": ("k9",), "compiled": BAD_BOOL, "return_diagnostics": BAD_BOOL}, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK, ref_logp=OLD, is_weights=IS_W, kl_beta=0.1),
@@ -276,7 +290,7 @@ def build(s: Spec, batch: int = 3, seq: int = 5, seed: int = 0) -> dict[str, Any
 
 
 def call(s: Spec, kwargs: Mapping[str, Any]) -> Any:
-    return s.fn(**kwargs)
+    return s.fn(**{k: v.make() if isinstance(v, Fresh) else v for k, v in kwargs.items()})
 
 
 def outputs(result: Any) -> list[torch.Tensor]:

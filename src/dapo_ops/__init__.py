@@ -15,6 +15,7 @@ from dapo_ops._validate import InputError
 from dapo_ops.advantages import group_advantages
 from dapo_ops.aggregation import PartialLoss, aggregate_partial, token_level_aggregate
 from dapo_ops.cispo import cispo_surrogate
+from dapo_ops.cov_masks import clip_cov_mask, kl_cov_mask
 from dapo_ops.diagnostics import (
     BatchDiagnostics,
     PolicyDiagnostics,
@@ -52,6 +53,7 @@ from dapo_ops.objectives import (
     ClipHigher,
     Objective,
     PolicyGradient,
+    RatioSurrogate,
 )
 from dapo_ops.offpolicy import OffPolicyMetrics, offpolicy_metrics
 from dapo_ops.optimal_baseline import optimal_token_baseline_advantages
@@ -88,9 +90,11 @@ __all__ = [
     "PartialLoss",
     "PolicyDiagnostics",
     "PolicyGradient",
+    "RatioSurrogate",
     "aggregate_partial",
     "batch_diagnostics",
     "cispo_surrogate",
+    "clip_cov_mask",
     "clip_higher_surrogate",
     "dynamic_sample_mask",
     "fused_logprobs_entropy",
@@ -103,6 +107,7 @@ __all__ = [
     "gspo_surrogate",
     "high_entropy_mask",
     "kept_group_fraction",
+    "kl_cov_mask",
     "kl_penalty",
     "masked_whiten",
     "objective_diagnostics",

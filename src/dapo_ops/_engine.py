@@ -6,10 +6,11 @@ an objective with an analytic :meth:`~dapo_ops.objectives.Objective.grad` it com
 .. math::
 
     \\mathcal{L} = \\sum_{i,t} w_i\\, m_{i,t}\\,\\big(\\rho_{i,t}\\,\\ell_{i,t}
-        + \\beta\\,k_{i,t}\\big)
+        + \\beta\\,\\kappa_{i,t}\\,k_{i,t}\\big)
 
 (``w`` the aggregation weights of :func:`~dapo_ops.aggregation.loss_scale`, ``m`` the
-mask, ``rho`` the IS weights, ``ell`` the objective's term, ``k`` the KL estimate) *and*
+mask, ``rho`` the IS weights, ``ell`` the objective's term, ``k`` the KL estimate,
+``kappa`` the KL weights, 1 when not given) *and*
 its gradient with respect to ``logp`` in the forward pass; backward hands that buffer
 over, scaled by the incoming gradient (on CPU not at all when it is 1). Where the work
 runs:
@@ -65,6 +66,7 @@ class LossInputs(NamedTuple):
     valid: Tensor  # bool (a uint8 view inside the compiled graph)
     ref_logp: Tensor | None = None
     is_weights: Tensor | None = None
+    kl_weights: Tensor | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,9 +160,10 @@ def reference_terms(
     valid: Tensor,
     ref_logp: Tensor | None = None,
     is_weights: Tensor | None = None,
+    kl_weights: Tensor | None = None,
 ) -> Tensor:
-    """The per-token loss ``rho * term + beta * k``, 0 at masked positions, under autograd:
-    the definition every fast path is tested against."""
+    """The per-token loss ``rho * term + beta * kappa * k``, 0 at masked positions, under
+    autograd: the definition every fast path is tested against."""
     dtype = compute_dtype(logp, old_logp, adv)
     x = token_inputs(spec.objective, logp, old_logp, adv, valid, dtype, reference=True)
     per_token = masked(valid, spec.objective.term(x))
@@ -169,8 +172,10 @@ def reference_terms(
     if spec.kl is not None and ref_logp is not None:
         clamp = spec.kl.log_ratio_clamp
         raw = masked(valid, logp.to(dtype) - ref_logp.to(dtype))
-        penalty = spec.kl.penalty(raw, raw.clamp(-clamp, clamp))
-        per_token = per_token + spec.kl.beta * masked(valid, penalty)
+        penalty = masked(valid, spec.kl.penalty(raw, raw.clamp(-clamp, clamp)))
+        if kl_weights is not None:
+            penalty = penalty * masked(valid, kl_weights.to(dtype))
+        per_token = per_token + spec.kl.beta * penalty
     return per_token
 
 
@@ -184,6 +189,7 @@ def generic_terms(
     ref_logp: Tensor | None,
     is_weights: Tensor | None,
     with_grad: bool,
+    kl_weights: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Row sums ``[b]`` of the masked per-token loss and ``d(sum_i w_i rowsum_i)/d logp``."""
     objective, kl = spec.objective, spec.kl
@@ -200,7 +206,13 @@ def generic_terms(
     if kl is not None and ref_logp is not None:
         raw = logp.to(dtype) - ref_logp.to(dtype)
         delta = raw.clamp(-kl.log_ratio_clamp, kl.log_ratio_clamp)
-        value = value + kl.beta * kl.estimate(delta)
+        kl_value = kl.beta * kl.estimate(delta)
+        kl_scale = scale
+        if kl_weights is not None:
+            kappa = kl_weights.to(dtype)
+            kl_value = kl_value * kappa
+            kl_scale = scale * kappa
+        value = value + kl_value
     row_sums = masked(valid, value).sum(dim=-1)
     if not with_grad:
         return row_sums, None
@@ -208,7 +220,7 @@ def generic_terms(
     if grad is None:
         raise InputError(f"{type(objective).__name__} has no analytic grad()")
     if kl is not None and ref_logp is not None:
-        grad = grad + kl.grad(raw, delta, scale)
+        grad = grad + kl.grad(raw, delta, kl_scale)
     return row_sums, masked(valid, grad)
 
 
@@ -220,7 +232,7 @@ def all_terms(
     spec: LossSpec, tensors: LossInputs, scale: Tensor, with_grad: bool
 ) -> tuple[Tensor, Tensor | None]:
     """Row sums and the gradient, on the fastest eager path for this call."""
-    logp, old_logp, adv, valid, ref_logp, is_weights = tensors
+    logp, old_logp, adv, valid, ref_logp, is_weights, kl_weights = tensors
     kernel = getattr(spec.objective, "cpu_terms", None)
     batch, seq = logp.shape
     if (
@@ -238,15 +250,17 @@ def all_terms(
 
         rows = _row_block(batch, seq, spec.chunk_elems)
         return kernel(logp, old_logp, adv, valid, scale, with_grad, rows, exact)  # type: ignore[no-any-return]
-    return generic_terms(spec, logp, old_logp, adv, valid, scale, ref_logp, is_weights, with_grad)
+    return generic_terms(
+        spec, logp, old_logp, adv, valid, scale, ref_logp, is_weights, with_grad, kl_weights
+    )
 
 
 def reference_loss(spec: LossSpec, tensors: LossInputs, normalizer: Tensor | None) -> Tensor:
     """The loss as the reference composition (autograd through :func:`reference_terms`)."""
-    logp, old_logp, adv, valid, ref_logp, is_weights = tensors
+    logp, old_logp, adv, valid, ref_logp, is_weights, kl_weights = tensors
     dtype = compute_dtype(logp, old_logp, adv)
     scale = _scale(spec, valid, normalizer, dtype)
-    per_token = reference_terms(spec, logp, old_logp, adv, valid, ref_logp, is_weights)
+    per_token = reference_terms(spec, logp, old_logp, adv, valid, ref_logp, is_weights, kl_weights)
     return scaled_sum(per_token.sum(dim=-1), scale)
 
 

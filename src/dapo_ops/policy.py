@@ -34,6 +34,7 @@ class PolicyOptions(TypedDict, total=False):
     ref_logp: Tensor | None
     kl: KLPenalty | None
     is_weights: Tensor | None
+    kl_weights: Tensor | None
     compiled: bool
 
 
@@ -51,6 +52,7 @@ def prepare(
     kl: KLPenalty | None,
     is_weights: Tensor | None,
     compiled: bool,
+    kl_weights: Tensor | None = None,
 ) -> tuple[LossSpec, LossInputs, Tensor | None]:
     """Check every argument of :func:`policy_loss` (metadata only, no host sync) and
     return what :func:`dapo_ops._engine.fused_loss` takes."""
@@ -78,7 +80,16 @@ def prepare(
             f"log-probs, and ref_logp is unused without one; got kl={kl!r} and ref_logp="
             f"{'a tensor' if ref_logp is not None else None}"
         )
-    for name, extra in (("ref_logp", ref_logp), ("is_weights", is_weights)):
+    if kl_weights is not None and kl is None:
+        raise InputError(
+            "kl_weights weight the KL penalty's terms: pass them with kl=KLPenalty(...) and "
+            "ref_logp, or leave them out"
+        )
+    for name, extra in (
+        ("ref_logp", ref_logp),
+        ("is_weights", is_weights),
+        ("kl_weights", kl_weights),
+    ):
         if extra is not None:
             check_float(name, extra)
             check_same_shape(name, extra, "logp", logp)
@@ -91,7 +102,8 @@ def prepare(
             check_no_grad("normalizer", given)
         den = torch.as_tensor(given, dtype=dtype, device=logp.device)
     spec = LossSpec(objective, kl, mode, max_len)
-    return spec, LossInputs(logp, old_logp, adv, valid, ref_logp, is_weights), den
+    tensors = LossInputs(logp, old_logp, adv, valid, ref_logp, is_weights, kl_weights)
+    return spec, tensors, den
 
 
 def policy_loss(
@@ -107,6 +119,7 @@ def policy_loss(
     ref_logp: Float[Tensor, "batch seq"] | None = None,
     kl: KLPenalty | None = None,
     is_weights: Float[Tensor, "batch seq"] | None = None,
+    kl_weights: Float[Tensor, "batch seq"] | None = None,
     compiled: bool = False,
 ) -> Float[Tensor, ""]:
     r"""The policy loss of any objective: term, IS weights, KL penalty, aggregation.
@@ -114,12 +127,14 @@ def policy_loss(
     .. math::
 
         \mathcal{L} = \sum_{i,t} w_{i,t}\, m_{i,t}\,\big(\rho_{i,t}\,\ell_{i,t}
-            + \beta\, k_{i,t}\big)
+            + \beta\,\kappa_{i,t}\, k_{i,t}\big)
 
     ``ell`` is the objective's per-token term (:class:`ClipHigher`, :class:`GSPO`,
     :class:`CISPO` or your own :class:`~dapo_ops.objectives.Objective`); ``rho`` the
     detached ``is_weights`` (e.g. :func:`truncated_is_weights`), 1 when not given;
-    ``beta k`` the KL penalty ``kl`` (:class:`KLPenalty`) against ``ref_logp``; ``w`` the
+    ``beta k`` the KL penalty ``kl`` (:class:`KLPenalty`) against ``ref_logp``, weighted
+    per token by the detached ``kl_weights`` ``kappa`` (1 when not given; e.g. a token
+    selection such as :func:`kl_cov_mask` times the IS weights); ``w`` the
     aggregation weights of ``mode`` (the table in :func:`aggregate_partial`) with the
     local count, or ``normalizer`` (the global count from :func:`global_normalizer`:
     then micro-batch losses add up exactly to the full-batch loss).
@@ -127,13 +142,13 @@ def policy_loss(
     Masked positions never touch the loss or the gradient, whatever they hold (NaN
     included); an all-masked batch gives 0. Computed in float32 (float64 if any input is
     float64); the gradient reaches ``logp`` in its own dtype. ``old_logp``,
-    ``advantages``, ``ref_logp``, ``is_weights`` and a ``normalizer`` tensor are
-    constants of the objective: passing one that requires grad is refused (``.detach()``
-    it). Objectives with an analytic gradient compute the loss and its gradient in one
+    ``advantages``, ``ref_logp``, ``is_weights``, ``kl_weights`` and a ``normalizer``
+    tensor are constants of the objective: passing one that requires grad is refused
+    (``.detach()`` it). Objectives with an analytic gradient compute the loss and its gradient in one
     fused pass; ``compiled=True`` runs that pass as one ``torch.compile`` graph (compiled
     on first use; opt-in). Double backward differentiates the definition.
 
-    Shapes: logp, old_logp, mask, ref_logp, is_weights ``[batch, seq]``; advantages
+    Shapes: logp, old_logp, mask, ref_logp, is_weights, kl_weights ``[batch, seq]``; advantages
     ``[batch]``, ``[batch, 1]`` or ``[batch, seq]`` (per sequence only for sequence-level
     objectives such as GSPO). Returns a 0-dim tensor.
 
@@ -154,6 +169,7 @@ def policy_loss(
     spec, tensors, den = prepare(
         objective, logp, old_logp, advantages, mask, mode=mode, normalizer=normalizer,
         max_len=max_len, ref_logp=ref_logp, kl=kl, is_weights=is_weights, compiled=compiled,
+        kl_weights=kl_weights,
     )  # fmt: skip
     if compiled:
         from dapo_ops._compiled import compiled_body

@@ -5,7 +5,9 @@ function of that ``loss_mode`` does and returns the objective value that states 
 formula; :func:`policy_loss_fn` wraps it in verl's ``PolicyLossFn`` signature (the
 aggregation from ``loss_agg_mode`` and ``global_batch_info``, rollout IS weights, verl's
 metric names). Switching ``policy_loss.loss_mode: sapo`` to ``dapo_ops_sapo`` changes the
-implementation, not the numbers (``tests/integration/test_verl_objectives.py``).
+implementation, not the numbers (``tests/integration/test_verl_objectives.py``). The
+modes that also select tokens (``clip_cov``, ``kl_cov``) are in
+:mod:`dapo_ops.integrations.verl_composed`.
 
 Example:
     >>> verl_objective("sapo", {"tau_pos": 1.0, "tau_neg": 1.05})
@@ -32,6 +34,7 @@ from dapo_ops.objectives import (
     ClipHigher,
     Objective,
     PolicyGradient,
+    RatioSurrogate,
 )
 from dapo_ops.policy import policy_loss_with_diagnostics
 
@@ -75,6 +78,10 @@ def verl_objective(loss_mode: str, config: Any) -> Objective:
         return DRO(beta=float(beta))
     if loss_mode == "cispo":
         return CISPO(eps_low=low, eps_high=high)
+    if loss_mode == "clip_cov":  # with clip_cov_mask's selection (verl_composed)
+        return ClipHigher(eps_low=low, eps_high=high)
+    if loss_mode == "kl_cov":  # with kl_cov_mask's |log r| penalty (verl_composed)
+        return RatioSurrogate()
     raise InputError(f"verl loss_mode {loss_mode!r} has no dapo_ops objective; see VERL_LOSS_MODES")
 
 
@@ -89,6 +96,8 @@ VERL_LOSS_MODES = (
     "geo_mean",
     "dro",
     "cispo",
+    "clip_cov",
+    "kl_cov",
 )
 
 
@@ -96,6 +105,10 @@ def policy_loss_fn(loss_mode: str) -> Callable[..., tuple[Tensor, dict[str, Any]
     """A verl ``PolicyLossFn`` computing verl's ``loss_mode`` with dapo_ops."""
     if loss_mode not in VERL_LOSS_MODES:
         raise InputError(f"loss_mode must be one of {VERL_LOSS_MODES}, got {loss_mode!r}")
+    from dapo_ops.integrations.verl_composed import COMPOSED  # it imports verl.py
+
+    if loss_mode in COMPOSED:
+        return COMPOSED[loss_mode]
 
     def compute(
         old_log_prob: Tensor,

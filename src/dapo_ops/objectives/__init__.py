@@ -13,6 +13,7 @@ from dapo_ops.objectives.dro import DRO
 from dapo_ops.objectives.gmpo import GMPO
 from dapo_ops.objectives.gspo import GSPO
 from dapo_ops.objectives.policy_gradient import PolicyGradient
+from dapo_ops.objectives.ratio import RatioSurrogate
 from dapo_ops.objectives.sapo import SAPO
 from dapo_ops.objectives.vespo import VESPO
 
@@ -27,6 +28,7 @@ OBJECTIVES: tuple[type[Objective], ...] = (
     DRO,
     PolicyGradient,
     VESPO,
+    RatioSurrogate,
 )
 
 __all__ = [
@@ -42,5 +44,6 @@ __all__ = [
     "Clipped",
     "Objective",
     "PolicyGradient",
+    "RatioSurrogate",
     "TokenInputs",
 ]
