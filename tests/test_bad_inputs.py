@@ -178,6 +178,7 @@ REGISTRY: list[Spec] = [
     spec("clip_cov_mask", {"eps_low": BAD_PROB, "eps_high": (-0.1, NAN, INF), "fraction": (0.0, 1.5, NAN, "0.1"), "cov_low": (NAN, "1"), "cov_high": (NAN, None), "log_ratio_clamp": BAD_POS, "generator": ("seed", 0)}, logp=COV_LOGP, old_logp=COV_LOGP, advantages=COV_ADV, mask=MASK, generator=Fresh(lambda: torch.Generator().manual_seed(0))),
     spec("cispo_surrogate", {"cap": (0.5, NAN, INF), "floor": (-0.1, 1.5, NAN), "log_ratio_clamp": BAD_POS}, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK),
     spec("clip_higher_surrogate", {"eps_low": BAD_PROB, "eps_high": (-0.1, NAN, INF), "dual_clip": (1.0, 0.5, NAN, INF), "log_ratio_clamp": BAD_POS}, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK),
+    spec("entropy_bonus", {"coef": (NAN, INF, "0.1", None), "mode": BAD_MODE, "normalizer": BAD_NORM, "max_len": BAD_INT1}, entropy=ENTROPY, mask=MASK, coef=0.01),
     spec("gspo_sequence_ratio", logp=LOGP, old_logp=OLD, mask=MASK),
     spec("gspo_surrogate", {"eps_low": BAD_PROB, "eps_high": (-0.1, NAN, INF)}, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK),
     spec("kl_cov_mask", {"fraction": (0.0, 1.5, NAN, "0.1")}, logp=COV_LOGP, advantages=COV_ADV, mask=MASK),
@@ -196,6 +197,7 @@ REGISTRY: list[Spec] = [
     spec("token_logprobs", {"temperature": BAD_POS, "chunk_size": BAD_INT1, "inplace_backward": BAD_BOOL}, logits=LOGITS, tokens=TOKENS),
     spec("token_logprobs_and_entropy", {"temperature": BAD_POS, "chunk_size": BAD_INT1, "inplace_backward": BAD_BOOL}, logits=LOGITS, tokens=TOKENS),
     # ------------------------------------------------------------ per batch
+    spec("adaptive_entropy_coef", {"coef": (NAN, INF, "0.1"), "entropy": (NAN, "0.3", None), "target": (NAN, INF, "0.2"), "delta": (-0.1, NAN, INF), "coef_min": (NAN, 2.0), "coef_max": (NAN, -1.0)}, coef=0.1, entropy=0.3),
     spec("batch_diagnostics", {"max_len": (*BAD_INT1, 2**63)}, lengths=LENGTHS, keep=Arg("bool", ("B",)), group_ids=GROUP_IDS, max_len=6),
     spec("dynamic_sample_mask", {"atol": BAD_NONNEG}, metric=dataclasses.replace(METRIC, bad_dtypes=(torch.complex64,))),
     spec("group_advantages", {"scale": ("std", None), "baseline": ("median",), "eps": BAD_NONNEG, "unbiased": BAD_BOOL, "singleton": ("nan",)}, rewards=METRIC),

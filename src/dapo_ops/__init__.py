@@ -24,6 +24,7 @@ from dapo_ops.diagnostics import (
     policy_diagnostics,
 )
 from dapo_ops.distributed import global_normalizer
+from dapo_ops.entropy import EntropyCoef, adaptive_entropy_coef, entropy_bonus
 from dapo_ops.estimators import (
     gdpo_advantages,
     gpg_advantages,
@@ -81,6 +82,7 @@ __all__ = [
     "VESPO",
     "BatchDiagnostics",
     "ClipHigher",
+    "EntropyCoef",
     "InputError",
     "KLPenalty",
     "LogpEntropy",
@@ -91,12 +93,14 @@ __all__ = [
     "PolicyDiagnostics",
     "PolicyGradient",
     "RatioSurrogate",
+    "adaptive_entropy_coef",
     "aggregate_partial",
     "batch_diagnostics",
     "cispo_surrogate",
     "clip_cov_mask",
     "clip_higher_surrogate",
     "dynamic_sample_mask",
+    "entropy_bonus",
     "fused_logprobs_entropy",
     "gae_advantages",
     "gdpo_advantages",
