@@ -40,6 +40,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from dapo_ops._rules import compute_dtype
 from dapo_ops._validate import InputError
 from dapo_ops.advantages import group_advantages
 from dapo_ops.aggregation import AggregationMode
@@ -162,7 +163,10 @@ def compute_policy_loss(
 def ppo_kl(log_prob: Tensor, old_log_prob: Tensor, mask: Tensor) -> float:
     """verl's ``actor/ppo_kl`` metric: the masked mean of ``old - new`` (k1), a host read."""
     with torch.no_grad():
-        log_ratio = (log_prob - old_log_prob).float().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        dtype = compute_dtype(log_prob, old_log_prob)  # float64 stays float64
+        log_ratio = (log_prob.to(dtype) - old_log_prob.to(dtype)).clamp(
+            -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP
+        )
         neg = torch.where(mask, -log_ratio, torch.zeros_like(log_ratio)).sum()
         return float(neg / mask.sum().clamp(min=1))
 

@@ -6,7 +6,7 @@ formula; :func:`policy_loss_fn` wraps it in verl's ``PolicyLossFn`` signature (t
 aggregation from ``loss_agg_mode`` and ``global_batch_info``, rollout IS weights, verl's
 metric names). Switching ``policy_loss.loss_mode: sapo`` to ``dapo_ops_sapo`` changes the
 implementation, not the numbers (``tests/integration/test_verl_objectives.py``). The
-modes that also select tokens (``clip_cov``, ``kl_cov``) are in
+modes that also select tokens (``clip_cov``, ``kl_cov``, ``bypass_mode``) are in
 :mod:`dapo_ops.integrations.verl_composed`.
 
 Example:
@@ -82,6 +82,11 @@ def verl_objective(loss_mode: str, config: Any) -> Objective:
         return ClipHigher(eps_low=low, eps_high=high)
     if loss_mode == "kl_cov":  # with kl_cov_mask's |log r| penalty (verl_composed)
         return RatioSurrogate()
+    if loss_mode == "bypass_mode":  # with rollout correction's weights and mask (verl_composed)
+        correction = _policy_loss_option(config, "rollout_correction", None)
+        if _config_value(correction, "loss_type", "ppo_clip") == "reinforce":
+            return PolicyGradient()
+        return verl_objective("vanilla", config)
     raise InputError(f"verl loss_mode {loss_mode!r} has no dapo_ops objective; see VERL_LOSS_MODES")
 
 
@@ -98,6 +103,7 @@ VERL_LOSS_MODES = (
     "cispo",
     "clip_cov",
     "kl_cov",
+    "bypass_mode",
 )
 
 
