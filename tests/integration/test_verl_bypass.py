@@ -32,7 +32,8 @@ def batch(seed: int, rows: int = 10, seq: int = 16) -> dict[str, Any]:
     mask = torch.arange(seq) < lengths[:, None]
     rollout = -3 * torch.rand(rows, seq, generator=g, dtype=torch.float64) - 1e-3
     logp = rollout + 0.3 * torch.randn(rows, seq, generator=g, dtype=torch.float64)
-    logp[3, :3] = rollout[3, :3] + torch.tensor([12.0, -12.0, 3.0], dtype=torch.float64)
+    rollout[3, :3] = torch.tensor([-25.0, -3.0, -2.0], dtype=torch.float64)  # ratios e^+-20
+    logp[3, :3] = rollout[3, :3] + torch.tensor([20.0, -20.0, 3.0], dtype=torch.float64)
     adv = torch.randn(rows, 1, generator=g, dtype=torch.float64).expand(rows, seq)
     return {"logp": logp, "roll": rollout, "adv": torch.where(mask, adv, 0.0), "mask": mask}
 

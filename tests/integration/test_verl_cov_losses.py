@@ -1,6 +1,6 @@
 """verl 0.9.1's ``clip_cov`` and ``kl_cov`` against ``dapo_ops_clip_cov`` / ``dapo_ops_kl_cov``.
 
-The same random float64 batch (masked rows, a full row, log-ratios up to +-12, token
+The same random float64 batch (masked rows, a full row, log-ratios up to +-20, token
 advantages) goes to verl's registered function and to ours, with the global RNG seeded
 identically before each call, so ``clip_cov``'s random subset is the same draw. Loss,
 gradient and metrics must agree; the selections must be the same tokens.
@@ -32,7 +32,8 @@ def batch(seed: int, rows: int = 12, seq: int = 20) -> dict[str, Any]:
     mask = torch.arange(seq) < lengths[:, None]
     old = -6 * torch.rand(rows, seq, generator=g, dtype=torch.float64) - 1e-3
     logp = old + 0.3 * torch.randn(rows, seq, generator=g, dtype=torch.float64)
-    logp[3, :4] = old[3, :4] + torch.tensor([12.0, -12.0, 6.0, -6.0], dtype=torch.float64)
+    old[3, :4] = torch.tensor([-25.0, -3.0, -9.0, -1.0], dtype=torch.float64)  # ratios e^+-20
+    logp[3, :4] = old[3, :4] + torch.tensor([20.0, -20.0, 6.0, -6.0], dtype=torch.float64)
     logp = logp.clamp(max=-1e-6)
     adv = 2 * torch.randn(rows, 1, generator=g, dtype=torch.float64)
     adv = adv.expand(rows, seq) + 0.1 * torch.randn(rows, seq, generator=g, dtype=torch.float64)

@@ -1,6 +1,6 @@
 """Objectives against the real verl 0.9.1 policy losses, value and gradient, float64.
 
-The same random inputs (masked rows, short and long rows, log-ratios up to +-12) go to
+The same random inputs (masked rows, short and long rows, log-ratios up to +-20) go to
 verl's registered loss function and to ``policy_loss`` with the objective value that
 states verl's formula; each pair must agree to 1e-9 (float64) or differ as documented.
 """
@@ -45,7 +45,8 @@ def batch(seed: int, rows: int = 9, seq: int = 14, spread: float = 0.8) -> dict[
     mask = torch.arange(seq) < lengths[:, None]
     old = -4 * torch.rand(rows, seq, generator=g, dtype=torch.float64) - 1e-3
     logp = old + spread * torch.randn(rows, seq, generator=g, dtype=torch.float64)
-    logp[3, :4] = old[3, :4] + torch.tensor([12.0, -12.0, 6.0, -6.0], dtype=torch.float64)
+    old[3, :4] = torch.tensor([-25.0, -3.0, -9.0, -1.0], dtype=torch.float64)  # ratios e^+-20
+    logp[3, :4] = old[3, :4] + torch.tensor([20.0, -20.0, 6.0, -6.0], dtype=torch.float64)
     logp = logp.clamp(max=-1e-6)  # log-probs
     adv = torch.randn(rows, 1, generator=g, dtype=torch.float64)
     return {"logp": logp, "old": old, "adv": adv, "mask": mask}
