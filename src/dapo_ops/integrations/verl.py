@@ -222,8 +222,10 @@ def register(loss_name: str = LOSS_NAME, adv_estimator_name: str = ADV_ESTIMATOR
     from dapo_ops.integrations.verl_losses import register_all  # it imports this module
 
     register_all()
+    from dapo_ops.integrations.verl_advantages import register_advantages
     from dapo_ops.integrations.verl_estimators import register_estimators
 
+    register_advantages()
     register_estimators()
     # register_adv_est refuses a second function under a name (a reloaded module's).
     core_algos.ADV_ESTIMATOR_REGISTRY.pop(adv_estimator_name, None)
