@@ -6,6 +6,7 @@ and the masking contract in the default suite.
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
@@ -80,8 +81,75 @@ def test_trl_delta_is_the_dual_clip() -> None:
     )
     expected = token_level_loss(logp, old, adv, mask, dual_clip=2.0, eps_high=0.28)
     assert torch.equal(loss, expected)  # the adapter calls the same loss: the same bits
-    with pytest.raises(InputError, match="delta"):
-        trl_adapter.trl_policy_loss(logp, old, adv, mask, loss_type="bnpo", delta=1.1)
+    for bad in (1.0, 0.5):
+        with pytest.raises(InputError, match="delta"):
+            trl_adapter.trl_policy_loss(logp, old, adv, mask, loss_type="bnpo", delta=bad)
+
+
+def _trl_clipped_f64(logp, old, adv, mask, low, high, delta, level="token"):  # type: ignore[no-untyped-def]
+    """TRL's clipped per-token loss in float64, from its documented formula:
+    -min(min(r, delta) A, clip(r, 1 - low, 1 + high) A), r the token or sequence ratio."""
+    lr = torch.where(mask, logp - old, 0.0)
+    if level == "sequence":
+        lr = (lr.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)).expand_as(lr)
+    r = lr.exp()
+    a = adv[:, None]
+    capped = r if delta is None else r.clamp(max=delta)
+    return -torch.minimum(capped * a, r.clamp(1 - low, 1 + high) * a)
+
+
+@pytest.mark.parametrize("delta", [1.1, 1.28, 1.5, None])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_trl_delta_and_sequence_level_match_trls_formula(delta: float | None, level: str) -> None:
+    """Any delta > 1, and the sequence ratio, against TRL's formula in float64: value and
+    gradient (bnpo: the local token mean)."""
+    g = torch.Generator().manual_seed(3)
+    old = -torch.rand(5, 7, generator=g, dtype=torch.float64) * 3
+    logp = (old + 0.4 * torch.randn(5, 7, generator=g, dtype=torch.float64)).requires_grad_()
+    adv = torch.randn(5, generator=g, dtype=torch.float64)
+    mask = torch.arange(7) < torch.tensor([7, 3, 0, 5, 1])[:, None]
+    loss, _ = trl_adapter.trl_policy_loss(
+        logp, old, adv, mask, loss_type="bnpo", epsilon_low=0.2, epsilon_high=0.28,
+        delta=delta, importance_sampling_level=level,
+    )  # fmt: skip
+    ref = torch.where(mask, _trl_clipped_f64(logp, old, adv, mask, 0.2, 0.28, delta, level), 0.0)
+    want = ref.sum() / mask.sum()
+    (g_ours,) = torch.autograd.grad(loss, logp)
+    (g_want,) = torch.autograd.grad(want, logp)
+    # float64 throughout: a few roundings of terms of size <= |A| r (<= ~10 here)
+    assert abs(float((loss - want).detach())) <= 1e-12
+    assert float((g_ours - g_want).abs().max()) <= 1e-12
+
+
+def test_trl_cispo_cap_below_one_and_vespo_with_vllm_ratio() -> None:
+    """cispo with TRL's default cap epsilon_high = 0.2 (< 1) and vespo with vLLM's ratio
+    folded into its weight, against TRL's formulas in float64."""
+    g = torch.Generator().manual_seed(4)
+    old = -torch.rand(4, 6, generator=g, dtype=torch.float64) * 3
+    logp = (old + 0.5 * torch.randn(4, 6, generator=g, dtype=torch.float64)).requires_grad_()
+    adv = torch.randn(4, generator=g, dtype=torch.float64)
+    mask = torch.arange(6) < torch.tensor([6, 2, 4, 0])[:, None]
+    n = int(mask.sum())
+    loss, _ = trl_adapter.trl_policy_loss(
+        logp, old, adv, mask, loss_type="cispo", epsilon_high=0.2, num_items_in_batch=n
+    )
+    w = (logp - old).detach().exp().clamp(max=0.2)
+    want = torch.where(mask, -w * adv[:, None] * logp, 0.0).sum() / n
+    assert abs(float((loss - want).detach())) <= 1e-12
+    is_ratio = 0.5 + torch.rand(4, 6, generator=g, dtype=torch.float64)
+    loss, _ = trl_adapter.trl_policy_loss(
+        logp, old, adv, mask, loss_type="vespo", num_items_in_batch=n,
+        importance_sampling_ratio=is_ratio,
+    )  # fmt: skip
+    lr = torch.where(mask, logp.detach() - old, 0.0).sum(-1) + torch.where(
+        mask, is_ratio.log(), 0.0
+    ).sum(-1)
+    log_w = lr.clamp(math.log(1e-8), 20.0)
+    k = torch.where(adv >= 0, 2.0, 3.0)
+    lam = torch.where(adv >= 0, 3.0, 2.0)
+    phi = torch.exp(lam + k * log_w - lam * log_w.exp())
+    want = torch.where(mask, -(phi * adv)[:, None] * logp, 0.0).sum() / n
+    assert abs(float((loss - want).detach())) <= 1e-12
 
 
 def test_overlong_reward_function() -> None:

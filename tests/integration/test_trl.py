@@ -29,7 +29,15 @@ pytestmark = [
 
 WORDS = ["<pad>", "<bos>", "<eos>", "<unk>", *[str(i) for i in range(10)], "+", "=", "a", "b"]
 MAX_COMPLETION = 8
-CLIP_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+CLIP_METRICS = (
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "clip_ratio/region_mean",
+    "clip_ratio/low_min",
+    "clip_ratio/high_max",
+)
+#: TRL's adaptive-entropy controller state, compared after both losses ran from the same one
+ENTROPY_STATE = ("entropy_coef", "_last_world_entropy", "_entropy_window_stats")
 #: the metric TRL logs instead of the clip ratios for these loss types
 OWN_METRICS = {"cispo": ("cispo_clip_ratio",), "vespo": ("vespo/phi_seq_mean",), "sapo": ()}
 
@@ -123,6 +131,8 @@ def _with_is(shape_last: int) -> Any:
         gen = torch.Generator().manual_seed(3)
         size = (logps.shape[0], logps.shape[1] if shape_last < 0 else shape_last)
         ratio = 0.5 + torch.rand(size, generator=gen)
+        if shape_last < 0:  # TRL's token ratio is exp(0) = 1 at padding (VESPO sums every slot)
+            ratio = torch.where(inputs["completion_mask"] != 0, ratio, 1.0)
         return {**_with_old(inputs, logps), "importance_sampling_ratio": ratio}
 
     return transform
@@ -204,7 +214,124 @@ VARIANTS: list[tuple[str, str, dict[str, Any], dict[str, Any], Any]] = [
         {},
         _with_ref,
     ),
+    # delta at or below 1 + epsilon_high: TRL's cap is then the upper clip
+    ("dapo+delta-below-1+eps_high", "dapo", {}, {"delta": 1.1}, _with_old),
+    ("grpo+delta-at-1+eps_high", "grpo", {}, {"delta": 1.28}, _with_old),
+    (
+        "grpo+sequence-level+delta",
+        "grpo",
+        {"importance_sampling_level": "sequence"},
+        {"delta": 1.5},
+        _with_old,
+    ),
+    ("luspo+token-level", "luspo", {}, {}, _with_old),  # TRL warns, and runs token ratios
+    ("cispo+default-cap-0.2", "cispo", {"epsilon_high": 0.2}, {}, _with_old),
+    (
+        "cispo+sequence-level",
+        "cispo",
+        {"epsilon_high": 5.0, "importance_sampling_level": "sequence"},
+        {},
+        _with_old,
+    ),
+    ("sapo+sequence-level", "sapo", {"importance_sampling_level": "sequence"}, {}, _with_old),
+    (
+        "bnpo+sequence-level+vllm-is",
+        "bnpo",
+        {
+            "importance_sampling_level": "sequence",
+            "use_vllm": True,
+            "vllm_importance_sampling_correction": True,
+        },
+        {},
+        _with_is(1),
+    ),
+    (
+        "vespo+vllm-is-token",
+        "vespo",
+        {"use_vllm": True, "vllm_importance_sampling_correction": True},
+        {},
+        _with_is(-1),
+    ),
+    (
+        "vespo+sequence-level+beta",
+        "vespo",
+        {"importance_sampling_level": "sequence", "beta": 0.04},
+        {},
+        _with_ref,
+    ),
+    # the entropy bonus, static and adaptive (both branches of the controller)
+    (
+        "dapo+entropy_coef",
+        "dapo",
+        {"entropy_coef": 0.05, "_entropy_bonus_enabled": True},
+        {},
+        _with_old,
+    ),
+    (
+        "grpo+entropy_coef+top-entropy",
+        "grpo",
+        {"entropy_coef": 0.05, "_entropy_bonus_enabled": True, "top_entropy_quantile": 0.3},
+        {},
+        _with_old,
+    ),
+    (
+        "bnpo+adaptive-entropy-applied",
+        "bnpo",
+        {
+            "entropy_coef": 0.02,
+            "use_adaptive_entropy": True,
+            "_entropy_bonus_enabled": True,
+            "_last_world_entropy": 0.0,
+        },
+        {"entropy_target": 10.0},
+        _with_old,
+    ),
+    (
+        "dr_grpo+adaptive-entropy-off",
+        "dr_grpo",
+        {
+            "entropy_coef": 0.02,
+            "use_adaptive_entropy": True,
+            "_entropy_bonus_enabled": True,
+            "_last_world_entropy": float("inf"),
+        },
+        {"entropy_target": 0.1, "entropy_coef_delta": 0.01},
+        _with_old,
+    ),
+    (
+        "cispo+adaptive-entropy+beta",
+        "cispo",
+        {
+            "epsilon_high": 5.0,
+            "beta": 0.04,
+            "entropy_coef": 0.3,
+            "use_adaptive_entropy": True,
+            "_entropy_bonus_enabled": True,
+            "_last_world_entropy": 0.05,
+        },
+        {"entropy_target": 0.1, "entropy_coef_max": 0.31},
+        _with_ref,
+    ),
 ]
+
+
+def _metric_keys(loss_type: str, attrs: dict[str, Any]) -> tuple[str, ...]:
+    keys = ("entropy", *OWN_METRICS.get(loss_type, CLIP_METRICS))
+    if attrs.get("beta"):
+        keys += ("kl",)
+    if attrs.get("_entropy_bonus_enabled"):
+        keys += ("policy_loss",)
+    return keys
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if a is None or b is None:
+        return a is b
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return bool(torch.allclose(a.double(), b.double(), rtol=1e-6, atol=1e-6))
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return bool(a == pytest.approx(b, rel=1e-6, abs=1e-6))
 
 
 def test_dapo_grpo_trainer_trains_and_matches_trl(tmp_path: Any) -> None:
@@ -242,20 +369,25 @@ def test_dapo_grpo_trainer_trains_and_matches_trl(tmp_path: Any) -> None:
                 inputs["completion_ids"].size(1),
             )
         for name, loss_type, attrs, arg_attrs, transform in VARIANTS:
-            saved = {k: getattr(trainer, k) for k in ["loss_type", *attrs]}
+            saved = {k: getattr(trainer, k) for k in ["loss_type", *attrs, *ENTROPY_STATE]}
             saved_args = {k: getattr(trainer.args, k) for k in arg_attrs}
             trainer.loss_type = loss_type
             for k, v in attrs.items():
                 setattr(trainer, k, v)
             for k, v in arg_attrs.items():
                 setattr(trainer.args, k, v)
+            start = {k: getattr(trainer, k) for k in ENTROPY_STATE}
             try:
                 batch = transform(inputs, logps)
                 ours = DapoGRPOTrainer.compute_loss(trainer, model, batch)
-                keys = OWN_METRICS.get(loss_type, CLIP_METRICS)
+                keys = _metric_keys(loss_type, attrs)
                 metrics = {k: trainer._metrics["train"][k][-1] for k in keys}
+                state_ours = {k: getattr(trainer, k) for k in ENTROPY_STATE}
+                for k, v in start.items():
+                    setattr(trainer, k, v)
                 theirs = GRPOTrainer.compute_loss(trainer, model, batch)
                 metrics_trl = {k: trainer._metrics["train"][k][-1] for k in metrics}
+                state_trl = {k: getattr(trainer, k) for k in ENTROPY_STATE}
                 g_ours = torch.autograd.grad(ours, params)
                 g_theirs = torch.autograd.grad(theirs, params)
             finally:
@@ -275,6 +407,9 @@ def test_dapo_grpo_trainer_trains_and_matches_trl(tmp_path: Any) -> None:
                     "grad_scale": max(float(b.abs().max()) for b in g_theirs),
                     "metrics": metrics,
                     "metrics_trl": metrics_trl,
+                    "state": state_ours,
+                    "state_trl": state_trl,
+                    "synced": bool(trainer.accelerator.sync_gradients),
                 }
             )
 
@@ -311,9 +446,18 @@ def test_dapo_grpo_trainer_trains_and_matches_trl(tmp_path: Any) -> None:
         assert r["loss_diff"] <= 1e-6 * max(1.0, abs(r["theirs"])), r
         assert r["grad_diff"] <= 1e-5 * max(1.0, r["grad_scale"]), r
         for key, value in r["metrics"].items():
-            assert value == pytest.approx(r["metrics_trl"][key], abs=1e-6), (r["variant"], key)
-        clipped += sum(r["metrics"].values())
+            assert _same_value(value, r["metrics_trl"][key]), (r["variant"], key, r["metrics"])
+        for key, value in r["state"].items():
+            assert _same_value(value, r["state_trl"][key]), (r["variant"], key, r["state"])
+        clipped += sum(v for k, v in r["metrics"].items() if k.startswith(("clip", "cispo")))
     assert clipped > 0, "no variant exercised the clip: the comparison would be vacuous"
+    moved = {
+        (r["variant"], r["state"]["entropy_coef"] > 0.02)
+        for r in compared
+        if "adaptive" in r["variant"] and r["synced"]
+    }
+    assert ("bnpo+adaptive-entropy-applied", True) in moved, moved  # raised: entropy < 10
+    assert ("dr_grpo+adaptive-entropy-off", False) in moved, moved  # lowered: entropy > 0.1
     worst_loss = max(r["loss_diff"] for r in compared)
     worst_grad = max(r["grad_diff"] for r in compared)
     smallest_grad = min(r["grad_scale"] for r in compared)
@@ -342,10 +486,9 @@ def test_unsupported_settings_are_refused(tmp_path: Any) -> None:
     from dapo_ops.integrations.trl import DapoGRPOTrainer
 
     for overrides in [
-        {"loss_type": "cispo", "epsilon_high": 0.28},
-        {"loss_type": "sapo", "delta": 3.0},
-        {"importance_sampling_level": "sequence", "loss_type": "grpo", "delta": 3.0},
-        {"delta": 1.1},
+        {"loss_type": "sapo", "delta": 3.0},  # TRL ignores delta for sapo, cispo and vespo
+        {"loss_type": "vespo", "delta": 2.0},
+        {"delta": 1.0},  # a cap at 1 stops every positive-advantage token
     ]:
         with pytest.raises(ValueError, match="does not reproduce"):
             DapoGRPOTrainer(
