@@ -20,8 +20,9 @@ from dapo_ops.integrations import verl as verl_adapter
 
 def test_importing_the_adapters_imports_no_trainer() -> None:
     code = (
-        "import sys, dapo_ops.integrations.trl, dapo_ops.integrations.verl; "
-        "loaded = [m for m in ('trl', 'verl', 'transformers') if m in sys.modules]; "
+        "import sys, dapo_ops.integrations.trl, dapo_ops.integrations.verl, "
+        "dapo_ops.integrations.openrlhf; "
+        "loaded = [m for m in ('trl', 'verl', 'transformers', 'openrlhf') if m in sys.modules]; "
         "assert not loaded, loaded"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
@@ -198,3 +199,67 @@ def test_verl_policy_loss_with_a_plain_dict_config() -> None:
     expected = token_level_loss(logp, old, adv, mask != 0, eps_high=0.28, dual_clip=3.0)
     assert torch.equal(loss, expected)  # the adapter calls the same loss: the same bits
     assert set(metrics) == {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"}
+
+
+# --------------------------------------------------------------------------- OpenRLHF
+
+
+def _openrlhf_batch(seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(5, 7, generator=g, dtype=torch.float64) * 3
+    logp = old + 0.6 * torch.randn(5, 7, generator=g, dtype=torch.float64)
+    adv = torch.randn(5, 7, generator=g, dtype=torch.float64)  # per token, varying
+    mask = torch.arange(7) < torch.tensor([7, 3, 0, 5, 1])[:, None]
+    return logp, old, adv, mask
+
+
+@pytest.mark.parametrize("dual_clip", [None, 1.5])
+def test_openrlhf_gspo_with_per_token_advantages(dual_clip: float | None) -> None:
+    """OpenRLHF's GSPO row loss mean_t -min(s A_t, clip(s) A_t) (dual-clipped where A_t < 0),
+    s = exp of the row's mean log-ratio, differentiated through the mean: float64 formula."""
+    from dapo_ops.integrations.openrlhf import PolicyLossOptions, openrlhf_policy_loss
+
+    logp, old, adv, mask = _openrlhf_batch(5)
+    logp.requires_grad_()
+    opts = PolicyLossOptions(policy_loss_type="gspo", clip_eps_low=0.2, clip_eps_high=0.28,
+                             dual_clip=dual_clip)  # fmt: skip
+    got = openrlhf_policy_loss(logp, old, adv, mask, options=opts).loss
+    n = mask.sum(-1, keepdim=True)
+    s = (torch.where(mask, logp - old, 0.0).sum(-1, keepdim=True) / n.clamp(min=1)).exp()
+    per = -torch.minimum(s * adv, s.clamp(0.8, 1.28) * adv)
+    if dual_clip is not None:
+        per = torch.where(adv < 0, torch.minimum(per, -dual_clip * adv), per)
+    rows = torch.where(mask, per, 0.0).sum(-1) / n.squeeze(-1).clamp(min=1)
+    want = rows.sum() / (n > 0).sum()
+    (g_got,) = torch.autograd.grad(got, logp)
+    (g_want,) = torch.autograd.grad(want, logp)
+    assert abs(float((got - want).detach())) <= 1e-12
+    assert float((g_got - g_want).abs().max()) <= 1e-12
+
+
+def test_openrlhf_correction_mask_keeps_the_token_ratio() -> None:
+    from dapo_ops.integrations.openrlhf import PolicyLossOptions, correction_weights
+
+    _, old, _, mask = _openrlhf_batch(6)
+    rollout = old + 0.5 * torch.randn(old.shape, generator=torch.Generator().manual_seed(0),
+                                      dtype=torch.float64)  # fmt: skip
+    opts = PolicyLossOptions(is_correction_level="token", is_correction_threshold=(0.8, 1.25))
+    w, filtered, counted = correction_weights(old, rollout, mask, opts)
+    rho = (old - rollout).exp()
+    keep = (rho >= 0.8) & (rho <= 1.25)
+    assert torch.equal(filtered & mask, ~keep & mask) and torch.equal(counted, mask)
+    assert torch.allclose(w, torch.where(keep & mask, rho, 0.0), rtol=0, atol=0)
+
+
+@pytest.mark.usefixtures("no_runtime_typecheck")
+def test_openrlhf_options_are_checked() -> None:
+    from dapo_ops.integrations.openrlhf import PolicyLossOptions
+
+    for bad, name in [
+        ({"dual_clip": 1.0}, "dual_clip"),
+        ({"policy_loss_type": "grpo"}, "policy_loss_type"),
+        ({"is_correction_level": "seq", "is_correction_mode": "clip"}, "is_correction_mode"),
+        ({"is_correction_level": "token", "is_correction_gating": "tv"}, "is_correction_threshold"),
+    ]:
+        with pytest.raises(InputError, match=name):
+            PolicyLossOptions(**bad)  # type: ignore[arg-type]
