@@ -5,7 +5,7 @@
 
 The older package is exported with ``git archive`` into a temporary directory and
 imported as ``dapo_ops_base`` (its ``dapo_ops`` imports renamed), so both run in the
-same process on the same inputs (``benchmarks/run.py``'s ``loss_inputs``: padding
+same process on the same inputs (``benchmarks/suites/_inputs.py``: padding
 zeros, per-row advantages, dual clip off), interleaved call by call. Reports the median
 and the minimum of each (eager, ``compiled=True``) and the ratio new / base; the
 regression gate of the engine issue is "within 10 %" on the medians.
@@ -29,7 +29,7 @@ from types import ModuleType
 import torch
 
 import dapo_ops
-from benchmarks.run import loss_inputs
+from benchmarks.suites._inputs import loss_inputs
 
 
 def import_checkout(rev: str, into: Path) -> ModuleType:

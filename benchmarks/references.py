@@ -47,12 +47,12 @@ from torch import Tensor
 def verl_masked_sum(values: Tensor, mask: Tensor, axis: int | None = None) -> Tensor:
     """0.9's ``masked_sum``: ``where`` first (NaN outside the mask), then the product."""
     valid_values = torch.where(mask.bool(), values, 0.0)
-    return (valid_values * mask).sum(axis=axis)
+    return (valid_values * mask).sum(axis=axis)  # type: ignore[call-overload,no-any-return]
 
 
 def verl_masked_mean(values: Tensor, mask: Tensor, axis: int | None = None) -> Tensor:
     s = verl_masked_sum(values, mask, axis)
-    return s / (mask.sum(axis=axis) + 1e-8)
+    return s / (mask.sum(axis=axis) + 1e-8)  # type: ignore[call-overload,no-any-return]
 
 
 def verl_agg_loss(
@@ -97,8 +97,10 @@ def verl_compute_policy_loss(
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
     batch_num_tokens: Tensor | int | None = None,
+    rollout_is_weights: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """verl's ``compute_policy_loss_vanilla`` (dual clip always on) with its three metrics."""
+    """verl's ``compute_policy_loss_vanilla`` (dual clip always on) with its three metrics;
+    rollout IS weights multiply the per-token loss before the aggregation, as in verl."""
     negative_approx_kl = log_prob - old_log_prob
     negative_approx_kl = torch.clamp(negative_approx_kl, min=-20.0, max=20.0)
     ratio = torch.exp(negative_approx_kl)
@@ -116,6 +118,8 @@ def verl_compute_policy_loss(
     )
 
     pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
     pg_loss = verl_agg_loss(
         pg_losses, response_mask, loss_agg_mode, batch_num_tokens=batch_num_tokens
     )
@@ -161,7 +165,50 @@ def verl_actor_step(
         "actor/pg_clipfrac_lower": pg_clipfrac_lower.detach().item(),
     }
     if backward:
-        pg_loss.backward()
+        pg_loss.backward()  # type: ignore[no-untyped-call]
+    metrics["actor/pg_loss"] = pg_loss.detach().item()
+    return metrics
+
+
+def verl_low_var_kl(log_prob: Tensor, ref_log_prob: Tensor) -> Tensor:
+    """verl's ``kl_penalty(..., "low_var_kl")``: k3 with the log-ratio clamped to +-20 and
+    the estimate to [-10, 10]."""
+    kl = torch.clamp(ref_log_prob - log_prob, min=-20, max=20)
+    kld = (torch.exp(kl) - kl - 1).contiguous()
+    return torch.clamp(kld, min=-10, max=10)
+
+
+def verl_kl_is_step(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    ref_log_prob: Tensor | None,
+    rollout_is_weights: Tensor | None,
+    loss_agg_mode: str,
+    kl_coef: float = 0.04,
+    clip: tuple[float, float] = (0.2, 0.28),
+) -> dict[str, float]:
+    """One micro-batch of verl's actor update with a KL loss (``use_kl_loss``,
+    ``kl_loss_type=low_var_kl``) and/or rollout IS weights: the policy loss, the KL
+    term aggregated with the same mode, their sum, backward, the metrics' ``.item()``."""
+    pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = verl_compute_policy_loss(
+        old_log_prob, log_prob, advantages, response_mask, clip[0], clip[1],
+        loss_agg_mode=loss_agg_mode, rollout_is_weights=rollout_is_weights,
+    )  # fmt: skip
+    metrics = {
+        "actor/pg_clipfrac": pg_clipfrac.detach().item(),
+        "actor/ppo_kl": ppo_kl.detach().item(),
+        "actor/pg_clipfrac_lower": pg_clipfrac_lower.detach().item(),
+    }
+    loss = pg_loss
+    if ref_log_prob is not None:
+        kld = verl_low_var_kl(log_prob, ref_log_prob)
+        kl_loss = verl_agg_loss(kld, response_mask, loss_agg_mode)
+        loss = pg_loss + kl_loss * kl_coef
+        metrics["kl_loss"] = kl_loss.detach().item()
+    loss.backward()  # type: ignore[no-untyped-call]
     metrics["actor/pg_loss"] = pg_loss.detach().item()
     return metrics
 
@@ -339,7 +386,7 @@ def verl_overlong_penalty(
         valid_response_length = valid_response_lengths[i]
         exceed_len = valid_response_length - expected_len
         overlong_reward = min(-exceed_len / overlong_buffer_len * factor, 0)
-        rewards[i] = rewards[i] + overlong_reward
+        rewards[i] = rewards[i] + overlong_reward  # type: ignore[operator]
     return rewards
 
 

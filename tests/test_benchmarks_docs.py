@@ -1,13 +1,13 @@
 """The published performance figures are the committed benchmark results, rendered.
 
-``python -m benchmarks.run`` measures and writes docs/benchmarks.json (raw results),
-docs/benchmarks.md and the plot; ``python -m benchmarks.summary`` renders README.md's
-figures from the JSON. Nothing here times anything: these tests only notice staleness.
+``python -m benchmarks.run [suite...]`` measures and writes docs/benchmarks.json (raw
+results, one record per device and suite) and docs/benchmarks.md; ``python -m
+benchmarks.summary`` renders README.md's figures from the JSON. Nothing here times
+anything: these tests only notice staleness.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -15,9 +15,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 pytest.importorskip("benchmarks.run", reason="run from the repository root")
 
-from benchmarks import run, summary  # noqa: E402
+from benchmarks import report, summary  # noqa: E402
+from benchmarks.suites import SUITES  # noqa: E402
 
-DATA = json.loads((ROOT / "docs" / "benchmarks.json").read_text())
+DATA = report.load(ROOT / "docs" / "benchmarks.json")
+
+
+def _peer_row(impl: str) -> bool:
+    """Rows of a peer's own function: named after the version installed where the suite
+    ran (or '(not installed)'), so they depend on the environment and are left out."""
+    return "installed)" in impl
 
 
 def test_readme_figures_are_rendered_from_the_results() -> None:
@@ -28,26 +35,31 @@ def test_readme_figures_are_rendered_from_the_results() -> None:
 
 
 def test_benchmark_page_is_rendered_from_the_results() -> None:
-    md, _, _ = run.render_json(DATA)
-    assert (ROOT / "docs" / "benchmarks.md").read_text() == md, (
+    assert (ROOT / "docs" / "benchmarks.md").read_text() == report.render(DATA), (
         "stale: run python -m benchmarks.run --from-json docs/benchmarks.json"
     )
 
 
-def test_results_cover_the_current_harness() -> None:
-    """A case or implementation added, renamed or removed in benchmarks/run.py since the
-    results were measured makes them stale: re-run ``python -m benchmarks.run``. (Rows of
-    installed peers depend on the environment and are left out of the comparison.)"""
-    args = DATA["args"]
-    harness = {
-        (c.op, c.size, impl.name)
-        for c in run.make_cases(args["quick"], args["device"])
-        for impl in c.impls
-        if "(installed)" not in impl.name
+def test_every_suite_has_cpu_results() -> None:
+    missing = sorted(set(SUITES) - set(DATA["runs"].get("cpu", {})))
+    assert not missing, f"not measured: run python -m benchmarks.run {' '.join(missing)}"
+
+
+@pytest.mark.parametrize(
+    "device,suite",
+    [(dev, name) for dev, suites in DATA["runs"].items() for name in suites],
+)
+def test_results_cover_the_current_suite(device: str, suite: str) -> None:
+    """A case or implementation added, renamed or removed in a suite since its results
+    were measured makes them stale: re-run ``python -m benchmarks.run <suite>``."""
+    record = DATA["runs"][device][suite]
+    assert suite in SUITES, f"results of a suite that no longer exists: {suite}"
+    cases = SUITES[suite].make_cases(record["meta"]["quick"], device)
+    harness = {(c.op, c.size, i.name) for c in cases for i in c.impls if not _peer_row(i.name)}
+    measured = {
+        (r["op"], r["size"], r["impl"]) for r in record["results"] if not _peer_row(r["impl"])
     }
-    measured = {(r["op"], r["size"], r["impl"]) for r in DATA["results"]}
-    measured = {key for key in measured if "(installed)" not in key[2]}
     assert harness == measured, {
         "not measured": sorted(harness - measured),
-        "no longer in the harness": sorted(measured - harness),
+        "no longer in the suite": sorted(measured - harness),
     }

@@ -1,0 +1,301 @@
+"""The benchmark harness: cases, the timing protocol, the bandwidth floor, the machine.
+
+A *suite* (``benchmarks/suites/*.py``) is a list of :class:`Case`; a case is one input
+size of one operation and the implementations timed on it side by side (ours, the
+peers' real functions when installed, op-for-op mirrors of the peers' code paths from
+``benchmarks/references.py``, and yardsticks such as one ``h @ W.T``).
+
+Protocol of :func:`run_case`: every implementation is built on the same inputs and
+called twice (warm-up and compilation; the first call's time is kept, so compile time
+is ``first call - median``); then the repeats run *interleaved*, round-robin, so that
+background load hits every implementation alike (``back_to_back`` cases instead run
+each implementation's repeats in one block, caches warm). Reported per implementation:
+median, inter-quartile range and minimum. CPU timing is ``time.perf_counter``; CUDA
+timing is CUDA events. Peak memory is measured in a fresh process (``memory.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import os
+import resource
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+if TYPE_CHECKING:
+    from benchmarks.targets import Target
+
+Fn = Callable[[], object]
+Role = Literal["ours", "ref", "unit"]
+MemoryPolicy = Literal["all", "main", "none"]
+
+
+@dataclass
+class Impl:
+    """One implementation of a case: ``build(inputs)`` returns one iteration."""
+
+    name: str
+    role: Role  # "ours", "ref" (a peer or a mirror of one) or "unit" (a yardstick)
+    build: Callable[[Any], Fn]
+    compiled: bool = False
+    #: why it cannot run here (e.g. a peer that is not installed): reported, not timed
+    missing: str | None = None
+
+
+@dataclass
+class Case:
+    op: str
+    size: str
+    make_inputs: Callable[[], Any]
+    impls: list[Impl]
+    floor_bytes: int = 0  # bytes the op must read + write (0: no bandwidth floor)
+    basis_bytes: int = 0  # what the extra peak memory is divided by
+    basis_name: str = "inputs"
+    main_ref: str | None = None  # the implementation the "x ref" column divides by
+    unit: str | None = None  # the implementation whose median is the time unit
+    back_to_back: bool = False
+    memory: MemoryPolicy = "main"
+    memory_quick: bool = False  # measure the peak memory in --quick runs too
+    warm_inputs: Callable[[], Any] | None = None  # small inputs for the memory child's warm-up
+    repeats: int | None = None  # fixed repeat count (large cases)
+    budget_gib: float | None = None  # address-space cap: a method that does not fit fails
+    elems: int = 0  # tokens or samples, for plots
+
+
+@dataclass
+class Result:
+    suite: str
+    op: str
+    size: str
+    impl: str
+    role: str
+    times: list[float] = field(default_factory=list)
+    first_call_s: float | None = None
+    compile_s: float | None = None
+    mem_rss: int | None = None  # extra peak resident memory (CPU, fresh process)
+    mem_tensors: int | None = None  # extra peak bytes of live tensors (profiler / CUDA)
+    basis_bytes: int = 0
+    kernels: int | None = None
+    error: str | None = None
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times) if self.times else math.nan
+
+    @property
+    def minimum(self) -> float:
+        return min(self.times) if self.times else math.nan
+
+    @property
+    def q1q3(self) -> tuple[float, float]:
+        if len(self.times) < 2:
+            return (self.median, self.median)
+        q = statistics.quantiles(self.times, n=4, method="inclusive")
+        return q[0], q[2]
+
+    @property
+    def mem(self) -> int | None:
+        """The extra peak the targets read: live tensors where measured, else RSS."""
+        return self.mem_tensors if self.mem_tensors is not None else self.mem_rss
+
+
+@dataclass
+class Suite:
+    name: str
+    title: str
+    make_cases: Callable[[bool, str], list[Case]]
+    targets: Callable[[list[Result], list[Case], float], list[Target]] = lambda *_: []
+    agreement: Callable[[str], list[str]] = lambda _: []
+    notes: Sequence[str] = ()
+    bandwidth: bool = True  # does a case of this suite use the bandwidth floor
+    #: a suite that measures something else than step times runs itself
+    run: Callable[[Protocol, Callable[[str], None]], list[Result]] | None = None
+
+
+# --------------------------------------------------------------------------------------
+# Measuring
+# --------------------------------------------------------------------------------------
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_once(fn: Fn, device: str) -> float:
+    if device == "cuda":
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        return float(start.elapsed_time(end)) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def copy_bandwidth(device: str, quick: bool) -> float:
+    """Bytes/s of a large float32 ``copy_`` (read + write), median of repeats."""
+    n = (64 if quick else 128) * 2**20 if device == "cpu" else 256 * 2**20
+    src = torch.rand(n, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = [time_once(lambda: dst.copy_(src), device) for _ in range(7 if quick else 15)]
+    return 2 * n * 4 / statistics.median(times)
+
+
+def warm_allocator(device: str) -> None:
+    """Allocate, touch and free one 30 MiB tensor, as a trainer has long before its loss.
+
+    glibc raises its mmap threshold to the largest freed mmapped block (up to 32 MiB);
+    until then every temporary of 128 KiB or more is a fresh mmap whose pages fault on
+    first touch (~1 ms per MiB on a VM), and timings would depend on the process's
+    allocation history rather than on the code timed.
+    """
+    if device == "cpu":
+        torch.empty(30 * 2**20 // 4).fill_(0.0)
+
+
+def count_kernels(fn: Fn) -> int | None:
+    """GPU kernels (memcpy/memset included) launched by one call, from torch.profiler."""
+    try:
+        from torch.autograd import DeviceType  # type: ignore[attr-defined]
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
+    except Exception:  # profiler unavailable: n/a
+        return None
+
+
+def status_bytes(key: str, path: str = "/proc/self/status") -> int:
+    with open(path) as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+@contextlib.contextmanager
+def address_space_cap(budget_gib: float | None) -> Any:
+    """Cap the address space at the current size + ``budget_gib``: an allocation that does
+    not fit raises (reported as that implementation's error) instead of waking the OOM
+    killer. The previous limit is restored afterwards."""
+    if budget_gib is None or not os.path.exists("/proc/self/status"):
+        yield
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = status_bytes("VmSize") + int(budget_gib * 2**30)
+    resource.setrlimit(resource.RLIMIT_AS, (limit if hard < 0 else min(limit, hard), hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+@dataclass
+class Protocol:
+    device: str
+    quick: bool
+    target_s: float
+    min_repeats: int
+    max_repeats: int
+    memory: bool  # measure peak memory (fresh processes on CPU)
+    threads: int
+
+
+def measure_memory_of(case: Case, impl: Impl, proto: Protocol) -> bool:
+    if not proto.memory or case.memory == "none" or case.back_to_back:
+        return False
+    if proto.quick and not case.memory_quick:
+        return False
+    if case.memory == "all":
+        return not (proto.quick and impl.compiled)
+    return (impl.role == "ours" and not impl.compiled) or impl.name == case.main_ref
+
+
+def run_case(suite: str, case: Case, proto: Protocol, log: Callable[[str], None]) -> list[Result]:
+    """Time every implementation of ``case`` (and measure its memory): the protocol above."""
+    from benchmarks import memory
+
+    device = proto.device
+    results = {i.name: Result(suite, case.op, case.size, i.name, i.role) for i in case.impls}
+    fns: dict[str, Fn] = {}
+    per_call: dict[str, float] = {}
+    # no cap on CUDA: the driver reserves far more address space than it uses
+    with address_space_cap(case.budget_gib if device == "cpu" else None):
+        inputs = case.make_inputs()
+        for impl in case.impls:
+            res = results[impl.name]
+            res.basis_bytes = case.basis_bytes
+            if impl.missing is not None:
+                res.error = impl.missing
+                continue
+            try:
+                fn = impl.build(inputs)
+                res.first_call_s = time_once(fn, device)  # warm-up (and compilation)
+                per_call[impl.name] = time_once(fn, device)
+                fns[impl.name] = fn
+            except Exception as e:  # recorded in the table, exactly
+                res.error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+                log(f"    {impl.name}: ERROR {res.error}")
+            gc.collect()
+        repeats = {
+            name: case.repeats
+            or int(min(proto.max_repeats, max(proto.min_repeats, proto.target_s / max(t, 1e-7))))
+            for name, t in per_call.items()
+        }
+        if case.back_to_back:
+            for name, fn in fns.items():
+                results[name].times += [time_once(fn, device) for _ in range(repeats[name])]
+        for r in range(0 if case.back_to_back else max(repeats.values(), default=0)):
+            for name, fn in fns.items():  # round-robin: background load hits all alike
+                if r < repeats[name]:
+                    try:
+                        results[name].times.append(time_once(fn, device))
+                    except Exception as e:
+                        results[name].error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        if device == "cuda":
+            for name, fn in fns.items():
+                results[name].kernels = count_kernels(fn)
+                results[name].mem_tensors = memory.measure_cuda(fn)
+        del fns, inputs
+        gc.collect()
+    for impl in case.impls:
+        res = results[impl.name]
+        if impl.compiled and res.first_call_s is not None and res.times:
+            res.compile_s = max(res.first_call_s - res.median, 0.0)
+        if device == "cpu" and res.times and measure_memory_of(case, impl, proto):
+            mem, err = memory.measure_cpu(suite, case, impl, proto)
+            if mem is not None:
+                res.mem_rss, res.mem_tensors = mem
+            if err:
+                log(f"    memory {impl.name}: {err}")
+    for res in results.values():
+        if res.times:
+            log(
+                f"    {res.impl[:56]:<56} median {res.median * 1e3:10.3f} ms  "
+                f"min {res.minimum * 1e3:10.3f} ms  n={len(res.times)}"
+                + (f"  compile {res.compile_s:.1f}s" if res.compile_s is not None else "")
+                + (f"  mem {res.mem / 2**20:.1f} MiB" if res.mem is not None else "")
+            )
+    return list(results.values())
+
+
+def find(results: Sequence[Result], op: str, size: str, prefix: str) -> Result | None:
+    """The result of (op, size) whose implementation name starts with ``prefix``."""
+    return next(
+        (r for r in results if r.op == op and r.size == size and r.impl.startswith(prefix)),
+        None,
+    )

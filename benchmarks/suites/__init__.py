@@ -1,0 +1,11 @@
+"""One module per benchmark suite; ``SUITES`` maps each name to its :class:`Suite`."""
+
+from __future__ import annotations
+
+from benchmarks.harness import Suite
+from benchmarks.suites import advantages, compile_time, linear, logprobs, loss
+
+SUITES: dict[str, Suite] = {
+    s.name: s
+    for s in (loss.SUITE, advantages.SUITE, logprobs.SUITE, linear.SUITE, compile_time.SUITE)
+}

@@ -1,0 +1,249 @@
+"""Suite ``linear``: the whole step from hidden states to the policy loss, fwd+bwd.
+
+Every row computes DAPO's token-mean Clip-Higher loss (0.2 / 0.28, no KL) from
+``hidden [batch, 1024, d]``, ``W [vocab, d]`` and the sampled tokens, and the gradients of
+``hidden`` and ``W``: ``naive`` (``h @ W.T``, ``log_softmax`` in float32, ``gather``, then
+``policy_loss``), ``composed`` (``fused_logprobs_entropy`` + ``policy_loss``),
+``linear_policy_loss`` (one chunked pass, gradients computed in the forward), Liger-Kernel's
+``LigerFusedLinearGRPOLoss`` (eager, and compiled in full runs) and verl 0.9.1's
+``FusedLinearForPPO`` (torch backend) + ``policy_loss``. Times are in units of one
+forward ``h @ W.T`` measured in the same run; extra peak memory (fresh process, live
+tensors) as a multiple of the float32 logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import dapo_ops as d
+from benchmarks.environment import installed
+from benchmarks.harness import Case, Fn, Impl, Result, Suite
+from benchmarks.targets import Target, at_most, compare
+
+UNIT = "one h @ W.T (forward matmul; the time unit)"
+NAIVE = "naive: h @ W.T, log_softmax, gather, policy_loss"
+COMPOSED = "composed: fused_logprobs_entropy + policy_loss"
+LINEAR = "dapo_ops linear_policy_loss"
+LINEAR_FN = "linear_policy_loss"  # being written; the row says so until it lands
+LIGER = "Liger LigerFusedLinearGRPOLoss"
+#: one chunk's temporaries in the memory target, as a share of the float32 logits
+CHUNK_SHARE = 0.25
+LIGER_OPTIONS: dict[str, Any] = {
+    "loss_type": "dapo",
+    "beta": 0.0,
+    "epsilon_low": 0.2,
+    "epsilon_high": 0.28,
+    "temperature": 1.0,
+    "use_ref_model": False,
+    "chunk_size": 1,
+}
+
+
+def linear_inputs(
+    tokens: int, dim: int, vocab: int, dtype: torch.dtype, device: str = "cpu"
+) -> dict[str, Any]:
+    """Tokens as ``[tokens / 1024, 1024]``; old log-probs = current + N(0, 0.3^2) (some ratios
+    clip, most do not); advantages N(0, 1) per sequence; 10 % of positions masked."""
+    g = torch.Generator().manual_seed(tokens + dim + vocab)
+    seq = min(tokens, 1024)
+    shape = (tokens // seq, seq)
+    h = torch.empty(*shape, dim).normal_(generator=g)
+    w = torch.empty(vocab, dim).normal_(0.0, 2.0 / dim**0.5, generator=g)
+    tok = torch.randint(0, vocab, shape, generator=g)
+    with torch.no_grad():
+        logp = d.fused_logprobs_entropy(h, w, tok).logp
+    out = {
+        "hidden": h.to(dtype),
+        "weight": w.to(dtype),
+        "tokens": tok,
+        "old": logp + 0.3 * torch.randn(shape, generator=g),
+        "adv": torch.randn(shape[0], generator=g),
+        "mask": torch.rand(shape, generator=g) > 0.1,
+    }
+    return {k: v.to(device) for k, v in out.items()}
+
+
+def _step(
+    loss_of: Callable[[torch.Tensor, torch.Tensor, dict[str, Any]], torch.Tensor],
+) -> Callable[[dict[str, Any]], Fn]:
+    def build(x: dict[str, Any]) -> Fn:
+        h, w = x["hidden"].detach().requires_grad_(True), x["weight"].detach().requires_grad_(True)
+
+        def run() -> object:
+            loss_of(h, w, x).backward()  # type: ignore[no-untyped-call]
+            h.grad = w.grad = None
+            return None
+
+        return run
+
+    return build
+
+
+def _loss(logp: torch.Tensor, x: dict[str, Any]) -> torch.Tensor:
+    return d.policy_loss(d.ClipHigher(), logp, x["old"], x["adv"], x["mask"])
+
+
+def _naive(h: torch.Tensor, w: torch.Tensor, x: dict[str, Any]) -> torch.Tensor:
+    logp_all = torch.log_softmax((h @ w.T).float(), dim=-1)
+    return _loss(logp_all.gather(-1, x["tokens"].unsqueeze(-1)).squeeze(-1), x)
+
+
+def _liger(compiled: bool) -> Callable[[torch.Tensor, torch.Tensor, dict[str, Any]], torch.Tensor]:
+    def loss_of(h: torch.Tensor, w: torch.Tensor, x: dict[str, Any]) -> torch.Tensor:
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss  # type: ignore[import-not-found]
+
+        fn = LigerFusedLinearGRPOLoss(compiled=compiled, **LIGER_OPTIONS)
+        loss, _ = fn(h, w, x["tokens"], x["mask"].long(), x["adv"], old_per_token_logps=x["old"])
+        return loss  # type: ignore[no-any-return]
+
+    return loss_of
+
+
+def _verl(h: torch.Tensor, w: torch.Tensor, x: dict[str, Any]) -> torch.Tensor:
+    from verl.utils.experimental.torch_functional import FusedLinearForPPO  # type: ignore[import-not-found]
+
+    logp, _ = FusedLinearForPPO()(h, w, x["tokens"])
+    return _loss(logp, x)
+
+
+def impls(quick: bool) -> list[Impl]:
+    liger, verl = installed("liger_kernel"), installed("verl")
+    no_liger = (
+        None if liger else "liger_kernel is not installed (pip install --no-deps liger-kernel)"
+    )
+    no_verl = None if verl else "verl is not installed (pip install --no-deps verl==0.9.1)"
+    no_linear = (
+        None
+        if hasattr(d, "linear_policy_loss")
+        else "dapo_ops.linear_policy_loss is not in this dapo_ops"
+    )
+    tag_liger = f"{LIGER} {liger} (installed)" if liger else f"{LIGER} (not installed)"
+    out = [
+        Impl(UNIT, "unit", lambda x: lambda: x["hidden"] @ x["weight"].T),
+        Impl(NAIVE, "ref", _step(_naive)),
+        Impl(
+            COMPOSED,
+            "ours",
+            _step(lambda h, w, x: _loss(d.fused_logprobs_entropy(h, w, x["tokens"]).logp, x)),
+        ),
+        Impl(
+            LINEAR,
+            "ours",
+            _step(
+                lambda h, w, x: getattr(d, LINEAR_FN)(
+                    h, w, x["tokens"], x["old"], x["adv"], x["mask"]
+                )
+            ),
+            missing=no_linear,
+        ),
+        Impl(f"{tag_liger}, eager", "ref", _step(_liger(False)), missing=no_liger),
+    ]
+    if not quick:
+        out.append(
+            Impl(
+                f"{tag_liger}, compiled",
+                "ref",
+                _step(_liger(True)),
+                compiled=True,
+                missing=no_liger,
+            )
+        )
+    tag_verl = f"verl {verl} (installed)" if verl else "verl (not installed)"
+    out.append(
+        Impl(f"{tag_verl} FusedLinearForPPO + policy_loss", "ref", _step(_verl), missing=no_verl)
+    )
+    return out
+
+
+SIZES = [(2048, 896, 32000), (1024, 896, 151936)]
+QUICK_SIZES = [(512, 128, 8192)]
+
+
+def make_cases(quick: bool, device: str) -> list[Case]:
+    cases = []
+    for n, dim, v in QUICK_SIZES if quick else SIZES:
+        for dtype in (torch.float32, torch.bfloat16):
+            name = "fp32" if dtype == torch.float32 else "bf16"
+            cases.append(
+                Case(
+                    f"linear loss fwd+bwd, {name}",
+                    f"{n}x{dim}x{v}",
+                    lambda n=n, dim=dim, v=v, dtype=dtype: linear_inputs(n, dim, v, dtype, device),  # type: ignore[misc]
+                    impls(quick),
+                    basis_bytes=n * v * 4,
+                    basis_name="logits",
+                    main_ref=NAIVE,
+                    unit=UNIT,
+                    memory="all",
+                    memory_quick=True,
+                    warm_inputs=lambda dtype=dtype: linear_inputs(64, 32, 512, dtype),  # type: ignore[misc]
+                    repeats=None if quick else 3,
+                    budget_gib=16.0,
+                    elems=n,
+                )
+            )
+    return cases
+
+
+def targets(results: list[Result], cases: list[Case], bandwidth: float) -> list[Target]:
+    out = []
+    for c in cases:
+        rs = {r.impl: r for r in results if (r.op, r.size) == (c.op, c.size)}
+        ours = rs.get(LINEAR)
+        liger = next(
+            (r for k, r in rs.items() if k.startswith(LIGER) and k.endswith("eager")), None
+        )
+        where = f"{c.op}, {c.size}"
+        out += [
+            compare(
+                f"linear_policy_loss, {where}: time / naive", ours, rs.get(NAIVE), 1.0, faster=False
+            ),
+            compare(
+                f"linear_policy_loss, {where}: time / Liger (eager)", ours, liger, 1.0, faster=False
+            ),
+            compare(
+                f"linear_policy_loss, {where}: time in one h @ W.T",
+                ours,
+                rs.get(UNIT),
+                3.3,
+                faster=False,
+            ),
+        ]
+        n, dim, v = (int(s) for s in c.size.split("x"))
+        grads = (v * dim + n * dim) * 4  # the float32 gradients of W and hidden
+        limit = (grads + CHUNK_SHARE * n * v * 4) / 2**20
+        mem = ours.mem / 2**20 if ours is not None and ours.mem is not None else None
+        why = (ours.error if ours is not None else None) or ""
+        out.append(
+            at_most(
+                f"linear_policy_loss, {where}: extra peak (live tensors)", mem, limit, " MiB", why
+            )
+        )
+    return out
+
+
+SUITE = Suite(
+    name="linear",
+    title="Hidden states to policy loss (the lm-head step)",
+    make_cases=make_cases,
+    targets=targets,
+    notes=(
+        "`x unit` = median / the median of one forward `h @ W.T` in the same dtype, same "
+        "run (3 matmuls plus the softmax is the ideal fwd+bwd, about 3.3 units).",
+        f"Memory target: extra peak <= the float32 gradients of W and hidden (every method "
+        f"holds them) + one chunk's temporaries, taken as {CHUNK_SHARE:g}x the float32 "
+        "logits (the issue's reference: fused_logprobs_entropy at 1.10x the logits at vocab "
+        "152k, mostly the 545 MB weight gradient).",
+        "Liger: `LigerFusedLinearGRPOLoss(loss_type='dapo', beta=0, epsilon_low=0.2, "
+        "epsilon_high=0.28, use_ref_model=False, chunk_size=1)` (plain PyTorch chunking; "
+        "its Triton kernels are not used by this loss); it computes no entropy. verl: "
+        "`FusedLinearForPPO()` (torch backend, chunk 512) returns log-probs and entropy, "
+        "then the same `policy_loss`. A row that cannot run here shows its exact error.",
+        "bf16 rows: hidden and W in bfloat16 (the matmuls in bf16, the softmax and loss in "
+        "float32 in every method).",
+    ),
+    bandwidth=False,
+)
