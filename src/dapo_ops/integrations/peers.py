@@ -1,181 +1,132 @@
-"""What the peers ship, and the dapo_ops value or function that reproduces each.
+"""What the peers ship, side by side with the dapo_ops value or function that reproduces it.
 
-One row per peer feature: the peer, its name there, the family, and the dapo_ops
-equivalent, or why there is none yet. The rows for verl's losses and TRL's loss types
-are read from the adapters' own tables (:data:`~dapo_ops.integrations.verl_losses.VERL_LOSS_MODES`,
-:data:`~dapo_ops.integrations.trl.TRL_LOSS_TYPES`), so they cannot claim more than the
-adapters do. ``python -m tools.feature_table`` writes docs/comparison.md from
+One row per objective, aggregation, KL estimator, advantage estimator, rollout
+correction, token selection, regulariser and option: the dapo_ops equivalent (or why
+there is none: "not applicable" and the reason) and each peer's name for it (TRL 1.16,
+verl 0.9.1, OpenRLHF 0.11.2; empty where the peer has none). The peer cells are built
+from the adapters' own registries (:data:`~dapo_ops.integrations.trl.TRL_LOSS_TYPES`,
+:data:`~dapo_ops.integrations.verl_losses.VERL_LOSS_MODES`, the verl estimator tables,
+:class:`~dapo_ops.integrations.openrlhf.PolicyLossOptions`), so a name the adapter does not
+take shows as "(no adapter)" instead of being claimed, and every dapo_ops name is looked
+up in the package. ``python -m tools.feature_table`` writes docs/comparison.md from
 :func:`feature_rows`; a test fails when that page is stale.
 
 Example:
-    >>> [r.equivalent for r in feature_rows() if r.peer == "verl" and r.name == "sapo"]
-    ['SAPO (verl_losses: dapo_ops_sapo)']
+    >>> [r.verl for r in feature_rows() if r.feature.startswith("SAPO")]
+    ['`sapo` → `dapo_ops_sapo`']
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+from dapo_ops.integrations._peer_rows import ROWS, Row, resolve
+from dapo_ops.integrations.openrlhf import PolicyLossOptions
 from dapo_ops.integrations.trl import TRL_LOSS_TYPES
-from dapo_ops.integrations.verl_losses import VERL_LOSS_MODES, verl_objective
+from dapo_ops.integrations.verl_advantages import ESTIMATORS as VERL_ESTIMATORS
+from dapo_ops.integrations.verl_estimators import ESTIMATOR_NAMES
+from dapo_ops.integrations.verl_losses import VERL_LOSS_MODES
+
+PEERS = ("TRL 1.16", "verl 0.9.1", "OpenRLHF 0.11.2")
 
 
 class Feature(NamedTuple):
-    family: str  # "objective", "KL estimator", "advantage estimator", "rollout correction", ...
-    peer: str  # "verl 0.9.1", "TRL 1.16"
-    name: str  # the peer's name for it
-    equivalent: str  # the dapo_ops value or call, "" when there is none
-    note: str = ""  # why not, or what differs
+    family: str  # "objective", "aggregation", "KL estimator", ...
+    feature: str  # what it is
+    dapo_ops: str  # the dapo_ops value or call; "" when not applicable
+    trl: str  # TRL's name for it ("" when TRL has none)
+    verl: str
+    openrlhf: str
+    note: str  # why not applicable, or what differs
 
 
-_VERL_LOSSES = [
-    "vanilla",
-    "dppo_tv",
-    "dppo_kl",
-    "gspo",
-    "sapo",
-    "gpg",
-    "clip_cov",
-    "kl_cov",
-    "geo_mean",
-    "dro",
-    "cispo",
-    "bypass_mode",
-]
-_VERL_LOSS_GAPS = {
-    "clip_cov": "batch-level covariance selection with torch.randperm (not reproducible)",
-    "kl_cov": "batch-level top-k covariance selection (a host sync)",
-    "bypass_mode": "a rollout-correction mode of verl's trainer, not a loss formula",
-}
-_TRL_LOSSES = ["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"]
-_KL = {
-    "k1": 'KLPenalty(estimator="k1")',
-    "kl": 'KLPenalty(estimator="k1")',
-    "abs": 'KLPenalty(estimator="abs")',
-    "k2": 'KLPenalty(estimator="k2")',
-    "mse": 'KLPenalty(estimator="k2")',
-    "low_var_kl": 'KLPenalty(estimator="k3", clamp=10.0)',
-    "k3": 'KLPenalty(estimator="k3", clamp=10.0)',
-    "k1+": 'KLPenalty(estimator="k1", straight_through=True)',
-    "k3+": 'KLPenalty(estimator="k3", clamp=10.0, straight_through=True)',
-    "low_var_kl+": 'KLPenalty(estimator="k3", clamp=10.0, straight_through=True)',
-}
-_ESTIMATORS = {
-    "gae": "gae_advantages",
-    "grpo": "group_advantages(singleton='score')",
-    "grpo_vectorized": "group_advantages(singleton='score')",
-    "grpo_passk": "passk_advantages",
-    "reinforce_plus_plus": "reinforce_pp_advantages",
-    "reinforce_plus_plus_baseline": "masked_whiten(group_advantages(scale='none', ...))",
-    "rloo": "group_advantages(scale='none', baseline='leave_one_out', singleton='score')",
-    "rloo_vectorized": "group_advantages(scale='none', baseline='leave_one_out')",
-    "opo": "opo_advantages",
-    "gpg": "gpg_advantages",
-    "remax": "remax_advantages",
-    "gdpo": "gdpo_advantages",
-    "optimal_token_baseline": "optimal_token_baseline_advantages "
-    "(verl: dapo_ops_optimal_token_baseline)",
-    "tir_optimal_token_baseline": 'optimal_token_baseline_advantages(align="response_token") '
-    "(verl: dapo_ops_tir_optimal_token_baseline)",
-}
-_OTB_NOTE = (
-    "verl's trainer passes sum_pi_squared only to verl's own name: "
-    "verl_estimators.register_estimators(replace_verl=True)"
-)
-_ESTIMATOR_NOTES = {"optimal_token_baseline": _OTB_NOTE, "tir_optimal_token_baseline": _OTB_NOTE}
-_ROLLOUT = {
-    "rollout_is=token": 'truncated_is_weights(level="token")',
-    "rollout_is=sequence": 'truncated_is_weights(level="sequence")',
-    "rollout_is_threshold='lower_upper'": "truncated_is_weights(lower=..., cap=...)",
-    "rollout_is_batch_normalize": "truncated_is_weights(batch_normalize=True)",
-    **{
-        f"rollout_rs={opt}": f'rejection_mask(level="{opt.rsplit("_", 1)[0]}", '
-        f'statistic="{opt.rsplit("_", 1)[1]}")'
-        for opt in [
-            "token_k1",
-            "token_k2",
-            "token_k3",
-            "seq_sum_k1",
-            "seq_sum_k2",
-            "seq_sum_k3",
-            "seq_mean_k1",
-            "seq_mean_k2",
-            "seq_mean_k3",
-            "seq_max_k2",
-            "seq_max_k3",
-        ]
-    },
-    "compute_offpolicy_metrics": "offpolicy_metrics",
-    "rollout_is_eff_sample_size": "offpolicy_metrics(is_weights=...).is_ess",
-}
-_TRL_OPTIONS = {
-    "delta": ("dual_clip / ClipHigher(dual_clip=delta)", ""),
-    "top_entropy_quantile": ("high_entropy_mask; DapoGRPOTrainer", ""),
-    "off_policy_mask_threshold": ("off_policy_sequence_mask; DapoGRPOTrainer", ""),
-    "entropy_coef / use_adaptive_entropy": ("", "entropy bonus not built yet"),
-    "importance_sampling_level=sequence": ("GSPO via trl_objective; DapoGRPOTrainer", ""),
-}
+def _code(items: tuple[str, ...]) -> str:
+    return ", ".join(f"`{x}`" for x in items)
 
 
-_BATCH_FILTERS = [
-    Feature(
-        "batch filter",
-        "verl",
-        "algorithm.filter_groups (metric, max_num_gen_batches)",
-        "verl_sampling.filter_groups",
-        "keeps one-sample groups as verl (keep_single_sample_groups=False: as dapo_ops)",
-    ),
-    Feature(
-        "batch filter",
-        "TRL",
-        "dynamic sampling (TRL only logs frac_reward_zero_std)",
-        "DapoGRPOTrainer(dynamic_sampling=True)",
-        "TRL 1.16 has none",
-    ),
-]
+def _trl(items: tuple[str, ...]) -> str:
+    """TRL names; a ``loss_type`` the adapter does not take is marked."""
+    out = []
+    for x in items:
+        name = x.removeprefix("loss_type=")
+        ok = not x.startswith("loss_type=") or name in TRL_LOSS_TYPES
+        out.append(f"`{x}`" + ("" if ok else " (no adapter)"))
+    return ", ".join(out)
+
+
+def _verl(items: tuple[str, ...], kind: str) -> str:
+    """verl names with the adapter's registered twin (``dapo_ops_<name>``) when it has one."""
+    out = []
+    for x in items:
+        if kind == "loss" and x in VERL_LOSS_MODES:
+            out.append(f"`{x}` → `dapo_ops_{x}`")
+        elif kind == "estimator" and (x in VERL_ESTIMATORS or x in ESTIMATOR_NAMES):
+            out.append(f"`{x}` → `{ESTIMATOR_NAMES.get(x, f'dapo_ops_{x}')}`")
+        elif kind in ("loss", "estimator"):
+            out.append(f"`{x}` (no adapter)")
+        else:
+            out.append(f"`{x}`")
+    return ", ".join(out)
+
+
+def _openrlhf(items: tuple[str, ...]) -> str:
+    """OpenRLHF ``PolicyLoss`` options, checked against :class:`PolicyLossOptions`."""
+    for x in items:
+        name, _, value = x.partition("=")
+        if name in PolicyLossOptions.__dataclass_fields__ and value.startswith('"'):
+            option: dict[str, Any] = {name: value.strip('"')}
+            PolicyLossOptions(**option)  # raises if the adapter refuses it
+    return _code(items)
+
+
+def _feature(row: Row) -> Feature:
+    return Feature(
+        row.family,
+        row.feature,
+        resolve(row.dapo_ops),
+        _trl(row.trl),
+        _verl(row.verl, row.verl_kind),
+        _openrlhf(row.openrlhf),
+        row.note,
+    )
 
 
 def feature_rows() -> list[Feature]:
-    """Every peer feature the parity issue lists, with its dapo_ops equivalent."""
-    rows = []
-    for name in _VERL_LOSSES:
-        if name in VERL_LOSS_MODES:
-            cls = type(verl_objective(name, {"policy_loss": {"dro_beta": 1.0}})).__name__
-            rows.append(Feature("objective", "verl", name, f"{cls} (verl_losses: dapo_ops_{name})"))
-        else:
-            rows.append(Feature("objective", "verl", name, "", _VERL_LOSS_GAPS[name]))
-    for name in _TRL_LOSSES:
-        ok = name in TRL_LOSS_TYPES
-        eq = f"DapoGRPOTrainer(loss_type={name!r}), trl_objective" if ok else ""
-        rows.append(Feature("objective", "TRL", name, eq, "" if ok else "not built yet"))
-    rows += [Feature("KL estimator", "verl", k, v) for k, v in _KL.items()]
-    for name, eq in _ESTIMATORS.items():
-        note = _ESTIMATOR_NOTES.get(name, "") if eq else "not built yet"
-        rows.append(Feature("advantage estimator", "verl", name, eq, note))
-    rows += [Feature("rollout correction", "verl", k, v) for k, v in _ROLLOUT.items()]
-    rows += [Feature("option", "TRL", k, eq, note) for k, (eq, note) in _TRL_OPTIONS.items()]
-    rows += _BATCH_FILTERS
-    return rows
+    """Every row of the comparison, in page order."""
+    return [_feature(row) for row in ROWS]
 
 
 def markdown_table() -> str:
-    """docs/comparison.md's body: one table per family."""
+    """docs/comparison.md's body: one table per family, the same columns in each."""
     out = [
-        "# dapo_ops against verl 0.9.1 and TRL 1.16",
+        "# dapo_ops against TRL 1.16, verl 0.9.1 and OpenRLHF 0.11.2",
         "",
         "Generated by `python -m tools.feature_table` from `dapo_ops.integrations.peers`;",
-        '`tests/test_docs.py` fails when this page is stale. Every "yes" row is tested',
-        "against the real peer function in `tests/integration` (float64, value and",
-        "gradient, or the documented difference).",
+        "`tests/test_docs.py` fails when this page is stale. A peer cell names the peer's",
+        "option or function (empty: the peer has none); `→ dapo_ops_<name>` is the verl",
+        "registration that computes it with dapo_ops; TRL cells are options of",
+        "`DapoGRPOTrainer`; OpenRLHF cells are options of its `PolicyLoss`",
+        "(`openrlhf.PolicyLossOptions`), of `compute_approx_kl` (`openrlhf_kl`) or of its",
+        "actor (`entropy_coef`). Every",
+        "peer name in a row with a dapo_ops equivalent is tested against the real peer",
+        "function in `tests/integration` (float64 where the peer allows: value and",
+        "gradient, or the documented difference in the note). OpenRLHF is compared for its",
+        "policy loss, KL loss and entropy term; its advantage estimators are not.",
     ]
     rows = feature_rows()
+    header = ["feature", "dapo_ops", *PEERS, "note"]
     for family in dict.fromkeys(r.family for r in rows):
         out += ["", f"## {family[0].upper()}{family[1:]}s", ""]
-        out += ["| peer | peer's name | dapo_ops | note |", "|---|---|---|---|"]
+        out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for r in rows:
             if r.family == family:
-                have = f"yes: `{r.equivalent}`" if r.equivalent else "no"
-                out.append(f"| {r.peer} | `{r.name}` | {have} | {r.note} |")
-    done = sum(bool(r.equivalent) for r in rows)
-    out += ["", f"{done} of {len(rows)} rows have a dapo_ops equivalent.", ""]
+                if r.dapo_ops:
+                    have, note = "yes: " + _code(tuple(r.dapo_ops.split("; "))), r.note
+                else:
+                    have, note = f"not applicable: {r.note}", ""
+                cells = [r.feature, have, r.trl, r.verl, r.openrlhf, note]
+                out.append("| " + " | ".join(cells) + " |")
+    done = sum(bool(r.dapo_ops) for r in rows)
+    out += ["", f"{done} of {len(rows)} rows have a dapo_ops equivalent; each other row says"]
+    out += ["why none applies.", ""]
     return "\n".join(out)

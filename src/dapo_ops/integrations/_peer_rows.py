@@ -1,0 +1,192 @@
+"""The rows of :mod:`dapo_ops.integrations.peers`: what each peer calls a feature, and ours."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from typing import NamedTuple
+
+
+class Row(NamedTuple):
+    family: str
+    feature: str
+    dapo_ops: str  # "; "-separated calls whose leading names must exist; "" not applicable
+    trl: tuple[str, ...] = ()
+    verl: tuple[str, ...] = ()
+    openrlhf: tuple[str, ...] = ()
+    note: str = ""
+    verl_kind: str = "loss"  # "loss", "estimator" (checked against the adapter) or "option"
+
+
+#: Where a dapo_ops name may live (the trainer class is built on first access: not imported).
+_MODULES = ("dapo_ops", *(f"dapo_ops.integrations.{m}" for m in (
+    "trl", "trl_sampling", "openrlhf", "verl", "verl_losses", "verl_composed", "verl_sampling",
+    "verl_estimators", "verl_advantages")))  # fmt: skip
+_LAZY = {"DapoGRPOTrainer"}
+
+
+def _exists(name: str) -> bool:
+    if name in _LAZY:
+        return True
+    head, _, attr = name.rpartition(".")
+    if head:  # a module of dapo_ops.integrations, then the name in it
+        return hasattr(importlib.import_module(f"dapo_ops.integrations.{head}"), attr)
+    return any(name in vars(importlib.import_module(m)) for m in _MODULES)
+
+
+def resolve(text: str) -> str:
+    """``text`` unchanged, after checking that each item's leading name exists."""
+    for item in filter(None, (s.strip() for s in text.split(";"))):
+        match = re.match(r"[A-Za-z_][\w.]*", item)
+        if match is None or not _exists(match.group(0)):
+            raise LookupError(f"the comparison names {item!r}, which dapo_ops does not have")
+    return text
+
+
+_OBJ, _AGG, _KL, _ADV = "objective", "aggregation", "KL estimator", "advantage estimator"
+_RC, _SEL, _REG, _OPT, _FILTER = (
+    "rollout correction", "token selection", "regulariser", "option", "batch filter")  # fmt: skip
+_CLIPPED = tuple(f"loss_type={t}" for t in ("dapo", "bnpo", "grpo", "dr_grpo", "luspo"))
+_IS_TRL = "vllm_importance_sampling_correction"
+
+# fmt: off
+ROWS: list[Row] = [
+    Row(_OBJ, "PPO clipped surrogate, Clip-Higher (DAPO)", "ClipHigher", _CLIPPED, ("vanilla",),
+        ('policy_loss_type="ppo"',), "the TRL loss types differ by their aggregation (below)"),
+    Row(_OBJ, "dual clip (Ye et al. 2020)", "ClipHigher(dual_clip=c)", ("delta",), ("clip_ratio_c",),
+        ("dual_clip",), "TRL's delta <= 1 + epsilon_high is ClipHigher(eps_high=delta - 1, "
+        "dual_clip=1 + epsilon_high)", verl_kind="option"),
+    Row(_OBJ, "GSPO: the sequence ratio (Zheng et al. 2025)", "GSPO; trl_policy_loss; "
+        "openrlhf_policy_loss", ('importance_sampling_level="sequence"',), ("gspo",),
+        ('policy_loss_type="gspo"',), "TRL and OpenRLHF: any objective on the sequence ratio; "
+        "verl's clamp (at 10, from above only): GSPO(verl_clamp=True)"),
+    Row(_OBJ, "CISPO (MiniMax-M1 2025)", "CISPO", ("loss_type=cispo",), ("cispo",), (),
+        "TRL's cap below 1 (its default epsilon_high = 0.2): PolicyGradient with the capped "
+        "ratio as weight"),
+    Row(_OBJ, "SAPO: soft gates", "SAPO", ("loss_type=sapo",), ("sapo",)),
+    Row(_OBJ, "VESPO: gamma-shaped sequence weight", "VESPO", ("loss_type=vespo",), (), (),
+        "vLLM's ratio folded into the weight as TRL (at the valid tokens: TRL's is 1 at padding)"),
+    Row(_OBJ, "DPPO, total-variation trust region", 'DPPO(divergence="tv")', (), ("dppo_tv",)),
+    Row(_OBJ, "DPPO, KL trust region", 'DPPO(divergence="kl")', (), ("dppo_kl",)),
+    Row(_OBJ, "GMPO: geometric-mean ratio", "GMPO", (), ("geo_mean",)),
+    Row(_OBJ, "DRO", "DRO", (), ("dro",)),
+    Row(_OBJ, "policy gradient (GPG)", "PolicyGradient", (), ("gpg",)),
+    Row(_OBJ, "Clip-Cov (Cui et al. 2025)", "clip_cov_mask; RatioSurrogate", (), ("clip_cov",)),
+    Row(_OBJ, "KL-Cov (Cui et al. 2025)", "kl_cov_mask; policy_loss(kl_weights=...)", (),
+        ("kl_cov",)),
+    Row(_AGG, "token mean over the step's tokens (DAPO)",
+        'token_level_aggregate(mode="token_mean", normalizer=global_normalizer(...))',
+        ("loss_type=dapo", "loss_type=cispo", "loss_type=vespo"), ('loss_agg_mode="token-mean"',),
+        ("token_level_loss=True",), verl_kind="option"),
+    Row(_AGG, "token mean over the micro-batch, times the accumulation steps",
+        'token_level_aggregate(mode="token_mean", normalizer=n * steps)', ("loss_type=bnpo",)),
+    Row(_AGG, "token sum", 'token_level_aggregate(mode="token_mean", normalizer=1 / dp_size)', (),
+        ('loss_agg_mode="token-sum"',), verl_kind="option"),
+    Row(_AGG, "mean over sequences of their token means (GRPO)",
+        'token_level_aggregate(mode="seq_mean_token_mean")', ("loss_type=grpo", "loss_type=sapo"),
+        ('loss_agg_mode="seq-mean-token-mean"',), ("token_level_loss=False",),
+        "verl and OpenRLHF divide a row by n + 1e-8 (a relative 1e-8 / n); TRL counts empty rows",
+        verl_kind="option"),
+    Row(_AGG, "mean over sequences of their token sums", 'token_level_aggregate(mode='
+        '"seq_mean_token_sum")', ("loss_type=luspo",), ('loss_agg_mode="seq-mean-token-sum"',),
+        verl_kind="option"),
+    Row(_AGG, "Dr. GRPO: token sums over a constant", 'token_level_aggregate(mode='
+        '"seq_mean_token_sum_norm", max_len=L)', ("loss_type=dr_grpo",),
+        ('loss_agg_mode="seq-mean-token-sum-norm"',), verl_kind="option"),
+    Row(_KL, "k1: log-ratio", 'KLPenalty(estimator="k1"); openrlhf_kl', (), ("kl", "k1"),
+        ('kl_estimator="k1"',), "OpenRLHF clamps every estimate to +-10", verl_kind="option"),
+    Row(_KL, "k2: half squared log-ratio", 'KLPenalty(estimator="k2"); openrlhf_kl', (),
+        ("mse", "k2"), ('kl_estimator="k2"',), verl_kind="option"),
+    Row(_KL, "k3: low-variance unbiased (GRPO)", 'KLPenalty(estimator="k3", clamp=10.0); '
+        "openrlhf_kl", ("beta",), ("low_var_kl", "k3"), ('kl_estimator="k3"',),
+        "TRL does not clamp: KLPenalty(estimator=\"k3\")", verl_kind="option"),
+    Row(_KL, "absolute log-ratio", 'KLPenalty(estimator="abs")', (), ("abs",), verl_kind="option"),
+    Row(_KL, "straight-through: the estimate's value, k2's gradient",
+        "KLPenalty(straight_through=True); openrlhf_kl", (), ("k1+", "k3+", "low_var_kl+"),
+        ("unbiased_gradient=True",), "OpenRLHF weights the gradient by min(ratio to the old "
+        "policy, 10)", verl_kind="option"),
+    Row(_KL, "KL term times the (token or sequence) ratio", "trl_policy_loss", (
+        "use_bias_correction_kl",)),
+    Row(_ADV, "GAE", "gae_advantages", (), ("gae",), verl_kind="estimator"),
+    Row(_ADV, "GRPO group-normalised outcome", 'group_advantages(singleton="score"); '
+        "trl_advantages", ('scale_rewards="group"', '"batch"', '"none"',
+        "multi_objective_aggregation"), ("grpo", "grpo_vectorized"), verl_kind="estimator"),
+    Row(_ADV, "GDPO: per-component group normalisation", "gdpo_advantages", (), ("gdpo",),
+        verl_kind="estimator"),
+    Row(_ADV, "pass@k advantage", "passk_advantages", (), ("grpo_passk",), verl_kind="estimator"),
+    Row(_ADV, "REINFORCE++ (discounted returns, whitened)", "reinforce_pp_advantages", (),
+        ("reinforce_plus_plus",), verl_kind="estimator"),
+    Row(_ADV, "REINFORCE++ with group baseline", "masked_whiten; group_advantages", (),
+        ("reinforce_plus_plus_baseline",), verl_kind="estimator"),
+    Row(_ADV, "RLOO: leave-one-out baseline", 'group_advantages(baseline="leave_one_out")', (),
+        ("rloo", "rloo_vectorized"), verl_kind="estimator"),
+    Row(_ADV, "OPO: length-weighted baseline", "opo_advantages", (), ("opo",),
+        verl_kind="estimator"),
+    Row(_ADV, "ReMax: greedy-rollout baseline", "remax_advantages", (), ("remax",),
+        verl_kind="estimator"),
+    Row(_ADV, "GPG: group baseline, rescaled", "gpg_advantages", (), ("gpg",),
+        verl_kind="estimator"),
+    Row(_ADV, "optimal token baseline", "optimal_token_baseline_advantages", (),
+        ("optimal_token_baseline",), (), "verl's trainer passes sum_pi_squared to its own name "
+        "only: verl_estimators.register_estimators(replace_verl=True)", verl_kind="estimator"),
+    Row(_ADV, "optimal token baseline, per response token",
+        'optimal_token_baseline_advantages(align="response_token")', (),
+        ("tir_optimal_token_baseline",), verl_kind="estimator"),
+    Row(_RC, "truncated IS weight, per token", 'truncated_is_weights(level="token")', (),
+        ('rollout_is="token"',), verl_kind="option"),
+    Row(_RC, "truncated IS weight, per sequence", 'truncated_is_weights(level="sequence")', (),
+        ('rollout_is="sequence"',), verl_kind="option"),
+    Row(_RC, "two-sided IS band (IcePop)", "truncated_is_weights(lower=..., cap=...)", (),
+        ('rollout_is_threshold="lower_upper"',), verl_kind="option"),
+    Row(_RC, "batch-normalised IS weights", "truncated_is_weights(batch_normalize=True)", (),
+        ("rollout_is_batch_normalize",), verl_kind="option"),
+    *[
+        Row(_RC, f"rejection: {level} {stat}", f'rejection_mask(level="{level}", statistic="{stat}")',
+            (), (f"rollout_rs={level.replace('sequence', 'seq')}_{stat}",), verl_kind="option")
+        for level, stat in [("token", "k1"), ("token", "k2"), ("token", "k3"),
+                            ("seq_sum", "k1"), ("seq_sum", "k2"), ("seq_sum", "k3"),
+                            ("seq_mean", "k1"), ("seq_mean", "k2"), ("seq_mean", "k3"),
+                            ("seq_max", "k2"), ("seq_max", "k3")]
+    ],
+    Row(_RC, "off-policy metrics (KL, PPL, chi2)", "offpolicy_metrics", (),
+        ("compute_offpolicy_metrics",), verl_kind="option"),
+    Row(_RC, "effective sample size of the IS weights", "offpolicy_metrics(is_weights=...)", (),
+        ("rollout_is_eff_sample_size",), verl_kind="option"),
+    Row(_RC, "rollout log-probs as the old policy", "verl_composed.bypass_loss", (),
+        ("bypass_mode",)),
+    Row(_RC, "vLLM importance-sampling ratio (computed by TRL)", "policy_loss(is_weights=...)",
+        (_IS_TRL, 'vllm_importance_sampling_mode="token_truncate"', '"token_mask"',
+         '"sequence_truncate"', '"sequence_mask"'), note="DapoGRPOTrainer takes TRL's ratio"),
+    Row(_RC, "mismatch gate on the ratio: drop, keep the token ratio",
+        "openrlhf.correction_weights", (), (), ('is_correction_level="token"', '"seq"',
+        'is_correction_mode="mask"', 'is_correction_gating="ratio"')),
+    Row(_RC, "mismatch gate on the ratio: clamp to the band", "openrlhf.correction_weights", (),
+        (), ('is_correction_mode="clip"',)),
+    Row(_RC, "mismatch gate on a divergence (binary KL, TV)", "openrlhf.correction_weights", (),
+        (), ('is_correction_gating="binary_kl"', '"tv"')),
+    Row(_SEL, "highest-entropy tokens (80/20)", "high_entropy_mask", ("top_entropy_quantile",)),
+    Row(_SEL, "off-policy negative sequences (DeepSeek-V3.2)", "off_policy_sequence_mask",
+        ("off_policy_mask_threshold",)),
+    Row(_REG, "entropy bonus", "entropy_bonus", ("entropy_coef",), ("entropy_coeff",),
+        ("entropy_coef",), "each peer aggregates the entropy its own way: docs/entropy.md",
+        verl_kind="option"),
+    Row(_REG, "adaptive entropy coefficient (Skywork-OR1)", "adaptive_entropy_coef",
+        ("use_adaptive_entropy", "entropy_target", "entropy_coef_delta", "entropy_coef_min",
+         "entropy_coef_max"), note="DapoGRPOTrainer keeps TRL's state and checkpoint file"),
+    Row(_REG, "MoE router (load-balancing) loss", "DapoGRPOTrainer", ("router_aux_loss_coef",),
+        note="the model's own loss, added as TRL adds it"),
+    Row(_REG, "soft overlong punishment (DAPO)", "overlong_reward; OverlongReward",
+        ("get_soft_overlong_punishment",)),
+    Row(_OPT, "delta with cispo, sapo or vespo", "", ("delta",), note="TRL ignores delta for "
+        "these loss types; DapoGRPOTrainer refuses an option that would be ignored"),
+    Row(_OPT, "delta <= 1", "", ("delta",), note="caps every ratio at or below 1: no token "
+        "with a positive advantage may gain probability; refused as a mis-set option"),
+    Row(_OPT, "cispo with epsilon_high <= 0", "", ("epsilon_high",), note="a cap <= 0 zeroes "
+        "every weight, hence every gradient; refused"),
+    Row(_FILTER, "drop groups with a constant metric, generate more (DAPO)",
+        "verl_sampling.filter_groups; DapoGRPOTrainer(dynamic_sampling=True)", (),
+        ("algorithm.filter_groups",), (), "TRL 1.16 has none: DapoGRPOTrainer adds it; verl "
+        "keeps one-sample groups (keep_single_sample_groups=False: as dapo_ops)",
+        verl_kind="option"),
+]
+# fmt: on
