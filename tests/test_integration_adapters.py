@@ -263,3 +263,31 @@ def test_openrlhf_options_are_checked() -> None:
     ]:
         with pytest.raises(InputError, match=name):
             PolicyLossOptions(**bad)  # type: ignore[arg-type]
+
+
+def test_comparison_covers_every_peer_name_of_the_parity_issue() -> None:
+    """Issue 16's lists: each name is in a row, and no row claims a peer name its adapter
+    does not take."""
+    from dapo_ops.integrations.peers import feature_rows
+
+    rows = feature_rows()
+    verl = " ".join(r.verl for r in rows)
+    trl = " ".join(r.trl for r in rows)
+    openrlhf = " ".join(r.openrlhf for r in rows)
+    losses = ["vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov",
+              "geo_mean", "dro", "cispo", "bypass_mode"]  # fmt: skip
+    estimators = ["gae", "grpo", "grpo_vectorized", "gdpo", "grpo_passk", "reinforce_plus_plus",
+                  "reinforce_plus_plus_baseline", "rloo", "rloo_vectorized", "opo", "remax", "gpg",
+                  "optimal_token_baseline", "tir_optimal_token_baseline"]  # fmt: skip
+    for name in losses + estimators:
+        assert f"`{name}` → `" in verl, name
+    for name in ["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"]:
+        assert f"`loss_type={name}`" in trl, name
+    for name in ["top_entropy_quantile", "off_policy_mask_threshold", "delta", "entropy_coef",
+                 "use_adaptive_entropy", 'importance_sampling_level="sequence"']:  # fmt: skip
+        assert f"`{name}`" in trl, name
+    for name in ['policy_loss_type="ppo"', 'policy_loss_type="gspo"', "dual_clip",
+                 "token_level_loss=True", "token_level_loss=False"]:  # fmt: skip
+        assert f"`{name}`" in openrlhf, name
+    assert "(no adapter)" not in verl + trl
+    assert all(r.dapo_ops or r.note for r in rows), "a 'not applicable' row without its reason"
