@@ -6,8 +6,8 @@ global_batch_size=...)`` and gets ``(loss, clip_ratio, ppo_kl, vllm_kl, is_filte
 :class:`PolicyLossOptions` holds ``PolicyLoss``'s constructor options (same names, same
 defaults, same checks); :func:`openrlhf_policy_loss` is the loss as a pure function of
 tensors, with the same result; :func:`policy_loss_module` builds an ``nn.Module`` with
-``PolicyLoss``'s constructor and ``forward``, to assign to ``actor.actor_loss_fn``.
-Importing this module does not import OpenRLHF.
+``PolicyLoss``'s constructor and ``forward``, to assign to ``actor.actor_loss_fn``; :func:`openrlhf_kl` is its
+``compute_approx_kl`` (the actor's KL loss). Importing this module does not import OpenRLHF.
 
 The mapping:
 
@@ -15,7 +15,7 @@ The mapping:
   ``clip_eps_high``, ``dual_clip``; log-ratio clamped to +-20 as OpenRLHF's).
 - ``policy_loss_type="gspo"``: the same objective on each row's sequence ratio
   :math:`s_i = \\exp(\\overline{\\log\\pi_\\theta - \\log\\pi_{old}})` (the GSPO-token form,
-  :func:`dapo_ops.integrations._trl_policy.sequence_log_ratio`), whose gradient OpenRLHF
+  computed in float64), whose gradient OpenRLHF
   spreads over the row through the mean. Its per-token advantages enter exactly: the row's
   loss is :math:`-\\bar A^+_i\\,\\mathrm{clip}(s_i) - \\bar A^-_i\\,\\mathrm{clip}(s_i)`
   with :math:`\\bar A^\\pm_i` the row means of the positive and negative parts, each
