@@ -176,7 +176,7 @@ def _entropy_term(
             trainer._entropy_window_stats = None
     if mode == "train" and trainer.accelerator.sync_gradients:
         trainer._metrics[mode]["entropy_coef"].append(trainer.entropy_coef)
-    return bonus.to(entropies.dtype)
+    return bonus  # float32 (float64 for float64 entropies): never rounded to bfloat16
 
 
 def _global_mean(trainer: Any, total: Tensor, count: Tensor) -> float:
