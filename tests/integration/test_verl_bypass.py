@@ -20,7 +20,7 @@ from test_verl_objectives import GLOBAL_INFOS, actor_config  # noqa: E402
 
 from dapo_ops import InputError  # noqa: E402
 from dapo_ops.integrations import verl as integration  # noqa: E402
-from dapo_ops.integrations.verl_composed import rollout_rs_criteria  # noqa: E402
+from dapo_ops.integrations.verl_bypass import rollout_rs_criteria  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

@@ -152,7 +152,7 @@ ROWS: list[Row] = [
         ("compute_offpolicy_metrics",), verl_kind="option"),
     Row(_RC, "effective sample size of the IS weights", "offpolicy_metrics(is_weights=...)", (),
         ("rollout_is_eff_sample_size",), verl_kind="option"),
-    Row(_RC, "rollout log-probs as the old policy", "verl_composed.bypass_loss", (),
+    Row(_RC, "rollout log-probs as the old policy", "verl_bypass.bypass_loss", (),
         ("bypass_mode",)),
     Row(_RC, "vLLM importance-sampling ratio (computed by TRL)", "policy_loss(is_weights=...)",
         (_IS_TRL, 'vllm_importance_sampling_mode="token_truncate"', '"token_mask"',

@@ -1,4 +1,4 @@
-"""verl losses that compose a selection with an objective: ``clip_cov``, ``kl_cov``, ``bypass_mode``.
+"""verl losses that compose a token selection with an objective: ``clip_cov``, ``kl_cov``.
 
 Each is a verl ``PolicyLossFn`` (registered as ``dapo_ops_<loss_mode>`` by
 :func:`dapo_ops.integrations.verl_losses.register_all`) that reads verl 0.9.1's actor
@@ -10,23 +10,16 @@ config as verl's own function does and computes the loss with :func:`dapo_ops.po
   ``policy_loss(ClipHigher(clip_ratio_low, clip_ratio_high), ..., is_weights=keep * rho)``;
 - ``kl_cov``: :func:`dapo_ops.kl_cov_mask`, then ``policy_loss(RatioSurrogate(), ...,
   is_weights=rho, kl=KLPenalty(ppo_kl_coef, "abs"), ref_logp=old_log_prob,
-  kl_weights=selection * rho)``;
-- ``bypass_mode`` (``old_log_prob`` is the rollout's): IS weights
-  (:func:`dapo_ops.truncated_is_weights` of the detached ``log_prob`` against it) and the
-  rejection mask (:func:`dapo_ops.rejection_mask`, one per ``rollout_rs`` option, and-ed)
-  from ``policy_loss.rollout_correction``; then ``loss_type="reinforce"``:
-  ``policy_loss(PolicyGradient(), ..., mask=kept, is_weights=w)``, or ``"ppo_clip"``:
-  verl's vanilla loss (``dapo_ops_vanilla``) on the kept tokens, no IS weights (the
-  ratio already is the correction).
+  kl_weights=selection * rho)``.
 
 One difference from verl, as in every adapter: the token log-ratio is clamped to
 ``+-20`` before ``exp`` (verl's ``clip_cov``/``kl_cov`` do not clamp), so results agree
-for ``|log r| <= 20``. Tested in ``tests/integration/test_verl_cov_losses.py`` and
-``tests/integration/test_verl_bypass.py``.
+for ``|log r| <= 20``. Tested in ``tests/integration/test_verl_cov_losses.py``. verl's
+``bypass_mode`` is in :mod:`dapo_ops.integrations.verl_bypass`.
 
 Example:
     >>> sorted(COMPOSED)
-    ['bypass_mode', 'clip_cov', 'kl_cov']
+    ['clip_cov', 'kl_cov']
 """
 
 from __future__ import annotations
@@ -39,11 +32,9 @@ from torch import Tensor
 
 from dapo_ops._validate import InputError
 from dapo_ops.cov_masks import clip_cov_candidates, first_k, kl_cov_mask
-from dapo_ops.importance import rejection_mask, truncated_is_weights
 from dapo_ops.integrations.verl import _config_value, verl_aggregation
 from dapo_ops.kl import KLPenalty
-from dapo_ops.objectives import ClipHigher, PolicyGradient, RatioSurrogate
-from dapo_ops.offpolicy import offpolicy_metrics
+from dapo_ops.objectives import ClipHigher, RatioSurrogate
 from dapo_ops.policy import policy_loss
 
 PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Any]]]
@@ -158,146 +149,5 @@ def kl_cov_loss(
     return loss, {"actor/ppo_kl": _masked_mean(log_ratio, mask)}
 
 
-def _threshold_pair(spec: Any, field: str) -> tuple[float, float | None]:
-    """verl's ``"lower_upper"`` or a number -> ``(upper, lower or None)``."""
-    if isinstance(spec, bool) or not isinstance(spec, (int, float, str)):
-        raise InputError(
-            f"{field} must be a number or a 'lower_upper' string, got {spec!r}"
-        ) from None
-    text = str(spec).strip()
-    try:
-        if "_" in text:
-            low, high = text.split("_", 1)
-            return float(high), float(low)
-        return float(text), None
-    except ValueError:
-        raise InputError(
-            f"{field} must be a number or a 'lower_upper' string, got {spec!r}"
-        ) from None
-
-
-def rollout_rs_criteria(rollout_rs: str, threshold: Any) -> list[dict[str, Any]]:
-    """verl's ``rollout_rs`` (comma-separated ``<level>_<statistic>``) and
-    ``rollout_rs_threshold`` (one threshold, or one per option) as
-    :func:`dapo_ops.rejection_mask` keyword sets, duplicates dropped as verl does."""
-    field = "rollout_correction.rollout_rs_threshold"
-    options = list(dict.fromkeys(o.strip() for o in str(rollout_rs).split(",") if o.strip()))
-    if not options:
-        raise InputError(f"rollout_correction.rollout_rs has no option: {rollout_rs!r}")
-    if threshold is None:
-        raise InputError(f"{field} is required with rollout_rs={rollout_rs!r} (verl has none)")
-    specs = [p.strip() for p in str(threshold).split(",") if p.strip()]
-    if len(specs) == 1:
-        specs = specs * len(options)
-    if len(specs) != len(options):
-        raise InputError(
-            f"{field} gives {len(specs)} thresholds for {len(options)} rollout_rs options "
-            f"{options}: give one for all or one per option"
-        )
-    criteria = []
-    for option, spec in zip(options, specs, strict=True):
-        level, _, statistic = option.rpartition("_")
-        upper, lower = _threshold_pair(spec, field)
-        if lower is not None and statistic != "k1":
-            raise InputError(f"{field} for {option!r} takes one upper bound, got {spec!r}")
-        criteria.append({"level": level, "statistic": statistic, "upper": upper, "lower": lower})
-    return criteria
-
-
-#: verl's value of each per-sequence metric for a sequence with no valid token (verl
-#: averages over every row, :func:`dapo_ops.offpolicy_metrics` over non-empty ones).
-_EMPTY_ROW = {
-    "training_ppl": 1.0, "training_log_ppl": 0.0, "rollout_ppl": 1.0, "rollout_log_ppl": 0.0,
-    "log_ppl_diff": 0.0, "log_ppl_abs_diff": 0.0, "ppl_ratio": 1.0, "chi2_seq": 0.0,
-}  # fmt: skip
-
-
-def verl_offpolicy_metrics(
-    current: Tensor, rollout: Tensor, mask: Tensor, weights: Tensor | None
-) -> dict[str, float]:
-    """verl's ``rollout_corr/`` off-policy metrics (and the IS weights' ESS): those of
-    :func:`dapo_ops.offpolicy_metrics`, with empty rows counted as verl counts them."""
-    gap = {k: float(v) for k, v in offpolicy_metrics(current, rollout, mask, is_weights=weights)._asdict().items()}  # fmt: skip
-    ess = gap.pop("is_ess")
-    rows = mask.shape[0]
-    empty = rows - int(mask.any(dim=-1).sum())
-    if empty:
-        for key, value in _EMPTY_ROW.items():
-            gap[key] = (gap[key] * (rows - empty) + value * empty) / rows
-        gap["log_ppl_diff_max"] = max(gap["log_ppl_diff_max"], 0.0)
-        gap["log_ppl_diff_min"] = min(gap["log_ppl_diff_min"], 0.0)
-    out = {f"rollout_corr/{k}": v for k, v in gap.items()}
-    if weights is not None:
-        out["rollout_corr/rollout_is_eff_sample_size"] = ess
-    return out
-
-
-def bypass_loss(
-    old_log_prob: Tensor,
-    log_prob: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Any = None,
-    rollout_is_weights: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Any]]:
-    """verl's ``bypass_mode``: ``old_log_prob`` is the rollout's log-prob; the IS weights
-    and rejection mask come from ``config.policy_loss.rollout_correction`` (verl ignores
-    ``rollout_is_weights`` here, and so do we). Returns the loss and ``actor/ppo_kl``,
-    the loss's own metrics, and verl's ``rollout_corr/`` off-policy metrics
-    (:func:`dapo_ops.offpolicy_metrics`), ESS and rejected fraction. verl raises on an
-    all-masked micro-batch; this gives 0."""
-    del rollout_is_weights  # verl: "ignored, computed internally"
-    if config is None:
-        raise InputError("dapo_ops_bypass_mode needs verl's actor config (config=...)")
-    corr = _config_value(_config_value(config, "policy_loss", None), "rollout_correction", None)
-    if corr is None:
-        raise InputError(
-            "loss_mode='bypass_mode' needs policy_loss.rollout_correction in the actor config"
-        )
-    loss_type = _config_value(corr, "loss_type", "ppo_clip")
-    if loss_type not in ("ppo_clip", "reinforce"):
-        raise InputError(
-            f"rollout_correction.loss_type must be 'ppo_clip' or 'reinforce', got {loss_type!r}"
-        )
-    mask = response_mask if response_mask.dtype == torch.bool else response_mask != 0
-    current = log_prob.detach()
-    weights = None
-    level = _config_value(corr, "rollout_is", None)
-    threshold = _config_value(corr, "rollout_is_threshold", 2.0)
-    if level is not None:
-        cap, lower = _threshold_pair(threshold, "rollout_correction.rollout_is_threshold")
-        weights = truncated_is_weights(
-            current, old_log_prob, mask, level=level, cap=cap, lower=lower,
-            batch_normalize=bool(_config_value(corr, "rollout_is_batch_normalize", False)),
-        )  # fmt: skip
-    kept = mask
-    rs = _config_value(corr, "rollout_rs", None)
-    if rs is not None:
-        rs_threshold = _config_value(corr, "rollout_rs_threshold", None)
-        for criterion in rollout_rs_criteria(rs, rs_threshold):
-            kept = kept & rejection_mask(current, old_log_prob, mask, **criterion)
-    if loss_type == "ppo_clip":  # the ratio to the rollout is the correction: no weights
-        from dapo_ops.integrations.verl_losses import policy_loss_fn
-
-        loss, metrics = policy_loss_fn("vanilla")(
-            old_log_prob, log_prob, advantages, kept, loss_agg_mode, config
-        )
-    else:
-        loss = policy_loss(
-            PolicyGradient(), log_prob, old_log_prob, advantages, kept, is_weights=weights,
-            **_aggregation(config, loss_agg_mode),
-        )  # fmt: skip
-        metrics = {"actor/ppo_kl": _masked_mean(old_log_prob - current, kept)}
-    metrics.update(verl_offpolicy_metrics(current, old_log_prob, mask, weights))
-    if rs is not None:
-        metrics["rollout_corr/rollout_rs_masked_fraction"] = _masked_mean((~kept).double(), mask)
-    return loss, metrics
-
-
 #: verl ``loss_mode`` -> its ``PolicyLossFn`` here.
-COMPOSED: dict[str, PolicyLossFn] = {
-    "clip_cov": clip_cov_loss,
-    "kl_cov": kl_cov_loss,
-    "bypass_mode": bypass_loss,
-}
+COMPOSED: dict[str, PolicyLossFn] = {"clip_cov": clip_cov_loss, "kl_cov": kl_cov_loss}

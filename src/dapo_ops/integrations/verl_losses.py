@@ -6,8 +6,9 @@ formula; :func:`policy_loss_fn` wraps it in verl's ``PolicyLossFn`` signature (t
 aggregation from ``loss_agg_mode`` and ``global_batch_info``, rollout IS weights, verl's
 metric names). Switching ``policy_loss.loss_mode: sapo`` to ``dapo_ops_sapo`` changes the
 implementation, not the numbers (``tests/integration/test_verl_objectives.py``). The
-modes that also select tokens (``clip_cov``, ``kl_cov``, ``bypass_mode``) are in
-:mod:`dapo_ops.integrations.verl_composed`.
+modes that also select tokens (``clip_cov``, ``kl_cov``) are in
+:mod:`dapo_ops.integrations.verl_composed`, ``bypass_mode`` in
+:mod:`dapo_ops.integrations.verl_bypass`.
 
 Example:
     >>> verl_objective("sapo", {"tau_pos": 1.0, "tau_neg": 1.05})
@@ -82,7 +83,7 @@ def verl_objective(loss_mode: str, config: Any) -> Objective:
         return ClipHigher(eps_low=low, eps_high=high)
     if loss_mode == "kl_cov":  # with kl_cov_mask's |log r| penalty (verl_composed)
         return RatioSurrogate()
-    if loss_mode == "bypass_mode":  # with rollout correction's weights and mask (verl_composed)
+    if loss_mode == "bypass_mode":  # with rollout correction's weights and mask (verl_bypass)
         correction = _policy_loss_option(config, "rollout_correction", None)
         if _config_value(correction, "loss_type", "ppo_clip") == "reinforce":
             return PolicyGradient()
@@ -111,8 +112,11 @@ def policy_loss_fn(loss_mode: str) -> Callable[..., tuple[Tensor, dict[str, Any]
     """A verl ``PolicyLossFn`` computing verl's ``loss_mode`` with dapo_ops."""
     if loss_mode not in VERL_LOSS_MODES:
         raise InputError(f"loss_mode must be one of {VERL_LOSS_MODES}, got {loss_mode!r}")
-    from dapo_ops.integrations.verl_composed import COMPOSED  # it imports verl.py
+    from dapo_ops.integrations.verl_bypass import bypass_loss  # they import verl.py
+    from dapo_ops.integrations.verl_composed import COMPOSED
 
+    if loss_mode == "bypass_mode":
+        return bypass_loss
     if loss_mode in COMPOSED:
         return COMPOSED[loss_mode]
 

@@ -121,6 +121,7 @@ def check_number(objective: object, name: str) -> float:
     value = getattr(objective, name)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InputError(
-            f"{type(objective).__name__}.{name} must be a number, got {type(value).__name__}"
+            f"{type(objective).__name__}.{name} must be a number, got {value!r} "
+            f"(a {type(value).__name__})"
         )
     return float(value)
