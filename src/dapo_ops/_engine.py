@@ -15,8 +15,9 @@ its gradient with respect to ``logp`` in the forward pass; backward hands that b
 over, scaled by the incoming gradient (on CPU not at all when it is 1). Where the work
 runs:
 
-- eager on CPU, no KL and no IS weights, when the objective has a CPU kernel
-  (:meth:`ClipHigher.cpu_terms`): row blocks of about ``CPU_CHUNK_ELEMS`` elements;
+- eager on CPU, when the objective has a CPU kernel (:meth:`ClipHigher.cpu_terms`):
+  row blocks of about ``CPU_CHUNK_ELEMS`` elements, IS weights included, and the KL
+  term added block by block (:class:`dapo_ops._kl_cpu.KLBlocks`);
 - otherwise, and while traced by ``torch.compile`` around the caller: the generic body
   :func:`generic_terms` (``where``-based, exact whatever masked positions hold);
 - ``compiled=True``: the loss scale and :func:`generic_terms` as one ``torch.compile``
@@ -36,6 +37,7 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
+from dapo_ops._kl_cpu import KLBlocks
 from dapo_ops._rules import compute_dtype, masked
 from dapo_ops._validate import (
     InputError,
@@ -224,8 +226,12 @@ def generic_terms(
     return row_sums, masked(valid, grad)
 
 
-def _row_block(batch: int, seq: int, chunk_elems: int | None) -> int:
-    return max(1, min(batch, (chunk_elems or CPU_CHUNK_ELEMS) // max(seq, 1)))
+def _row_block(batch: int, seq: int, chunk_elems: int | None, extras: int = 0) -> int:
+    """Rows per block: ``chunk_elems`` elements per block, or by default about
+    ``CPU_CHUNK_ELEMS``, shrunk so that the buffers the IS weights and the KL term add
+    (``extras`` of them) fit in the scratch budget of the plain loss's two."""
+    chunk = chunk_elems or (2 * CPU_CHUNK_ELEMS) // (2 + extras)
+    return max(1, min(batch, chunk // max(seq, 1)))
 
 
 def all_terms(
@@ -235,21 +241,25 @@ def all_terms(
     logp, old_logp, adv, valid, ref_logp, is_weights, kl_weights = tensors
     kernel = getattr(spec.objective, "cpu_terms", None)
     batch, seq = logp.shape
-    if (
-        kernel is not None
-        and logp.device.type == "cpu"
-        and not is_compiling()
-        and ref_logp is None
-        and is_weights is None
-        and batch * seq > 0
-    ):
+    if kernel is not None and logp.device.type == "cpu" and not is_compiling() and batch * seq:
+        with_kl = spec.kl is not None and ref_logp is not None
+        # the kernel's scratch beyond its two: (w rho)(-A) per row, the KL log-ratio, kappa
+        extras = (is_weights is not None and adv.shape[-1] == 1) + with_kl
+        extras += with_kl and kl_weights is not None
+        rows = _row_block(batch, seq, spec.chunk_elems, extras)
 
         def exact(*block: Any) -> tuple[Tensor, Tensor | None]:
-            lp, old, a, v, w, grad_wanted = block
-            return generic_terms(spec, lp, old, a, v, w, None, None, grad_wanted)
+            lp, old, a, v, w, grad_wanted, sl = block
+            ref, rho, kappa = (None if t is None else t[sl] for t in tensors[4:])
+            return generic_terms(spec, lp, old, a, v, w, ref, rho, grad_wanted, kappa)
 
-        rows = _row_block(batch, seq, spec.chunk_elems)
-        return kernel(logp, old_logp, adv, valid, scale, with_grad, rows, exact)  # type: ignore[no-any-return]
+        kl = None
+        if with_kl:
+            assert spec.kl is not None and ref_logp is not None
+            kl = KLBlocks(spec.kl, logp, ref_logp, kl_weights, scale, rows)
+        return kernel(  # type: ignore[no-any-return]
+            logp, old_logp, adv, valid, scale, with_grad, rows, exact, is_weights=is_weights, kl=kl
+        )
     return generic_terms(
         spec, logp, old_logp, adv, valid, scale, ref_logp, is_weights, with_grad, kl_weights
     )

@@ -29,14 +29,19 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from dapo_ops._kl_cpu import finite_or_masked
+
 if TYPE_CHECKING:
+    from dapo_ops._kl_cpu import KLBlocks
     from dapo_ops.objectives.clip_higher import ClipHigher
 
 #: Stands in for an infinite bound in the float-only path (its ratios are at most e^60).
 _BIG = 1e30
 
-#: The generic body on a block: (logp, old_logp, adv, valid, scale, with_grad) -> terms.
-Exact = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, bool], tuple[Tensor, Tensor | None]]
+#: The generic body on a block: (logp, old_logp, adv, valid, scale, with_grad, rows) -> terms.
+Exact = Callable[
+    [Tensor, Tensor, Tensor, Tensor, Tensor, bool, slice], tuple[Tensor, Tensor | None]
+]
 
 
 def _token_bounds(neg_adv: Tensor, bufs: list[Tensor], lo: float, cap: float, hi: float) -> None:
@@ -52,21 +57,28 @@ def _token_bounds(neg_adv: Tensor, bufs: list[Tensor], lo: float, cap: float, hi
     lo_a.mul_(_BIG).add_(s, alpha=lo)
 
 
-def _fast_path_ok(adv: Tensor, scale: Tensor, w_neg_adv: Tensor | None, clamp: float) -> bool:
-    """May the float-only path run? Finite weights, no product overflow.
+def _magnitude(adv: Tensor, scale: Tensor, w_neg_adv: Tensor | None) -> float:
+    """A bound on ``|w A|`` for the overflow checks (inf when any product is not finite).
 
-    Every factor multiplied by a 0 mask must be finite: the ratio (``exp`` of a log-ratio
-    within ``+-clamp <= 60``), ``-A`` and ``w * -A``. Per-row advantages: ``w * -A`` finite
-    implies ``-A`` finite unless ``w == 0``, when ``0 * inf`` is NaN and fails the check
-    too. Per-token: the largest ``|A| * |w| * e^clamp`` must stay far below the float range.
+    Per-row advantages: ``w * -A`` finite implies ``-A`` finite unless ``w == 0``, when
+    ``0 * inf`` is NaN and fails the check too. Per-token: ``max |A| * max(max |w|, 1)``.
     """
-    if clamp > 60.0:
-        return False
     if w_neg_adv is not None:
-        return math.isfinite(float(w_neg_adv.sum()))
+        if not math.isfinite(float(w_neg_adv.sum())):
+            return math.inf
+        return float(w_neg_adv.abs().amax()) if w_neg_adv.numel() else 0.0
     biggest = float(adv.abs().amax()) if adv.numel() else 0.0
-    biggest *= max(float(scale.abs().amax()), 1.0)
-    return biggest * math.exp(clamp) < _BIG * 1e-3
+    return biggest * max(float(scale.abs().amax()), 1.0)
+
+
+def _fast_path_ok(per_row: bool, magnitude: float, clamp: float) -> bool:
+    """May the float-only path run? Every factor multiplied by a 0 mask must be finite:
+    the ratio (``exp`` of a log-ratio within ``+-clamp <= 60``), ``-A`` and ``w * -A``; with
+    per-token advantages the largest ``|A| |w| e^clamp`` must stay far below the float
+    range (the bounds stand in for infinities with ``_BIG``)."""
+    if clamp > 60.0 or not math.isfinite(magnitude):
+        return False
+    return per_row or magnitude * math.exp(clamp) < _BIG * 1e-3
 
 
 def _masked_advantages(adv: Tensor, valid: Tensor) -> Tensor:
@@ -85,17 +97,22 @@ def cpu_terms(
     with_grad: bool,
     rows: int,
     exact: Exact,
+    *,
+    is_weights: Tensor | None = None,
+    kl: KLBlocks | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Row sums ``[b]`` and ``d(sum_i w_i rowsum_i)/d logp`` ``[b, s]`` (or None).
 
     Per block, about ten passes over cache-resident memory, working inside the block's
-    slice of the gradient and two scratch buffers: the log-ratio ``d``, one ``aminmax``
+    slice of the gradient and a few scratch buffers: the log-ratio ``d``, one ``aminmax``
     of it (the only host read: is any ``d`` NaN, is the clamp active), ``r = exp(d)``,
     ``q = min(max(r, lo_A), hi_A)``, ``q m`` with the mask ``m`` as floats, its row sums
-    (times ``-A``: the loss), then the gradient ``r [q m == r] (w * -A)``: ``r > 0``, so
-    ``q m == r`` holds exactly where the token is valid and unclipped. The loss row sum
-    ``(-A) sum_t q m`` differs from the generic ``sum_t (-A q) m`` by rounding only; the
-    gradient is bitwise the generic one.
+    (times ``rho`` and ``-A``: the loss), then the gradient ``r [q m == r] ((w rho) (-A))``:
+    ``r > 0``, so ``q m == r`` holds exactly where the token is valid and unclipped. The
+    loss row sum ``(-A) sum_t q m rho`` differs from the generic ``sum_t (-A q) rho m`` by
+    rounding only; the gradient is bitwise the generic one. ``is_weights`` ``rho`` (one
+    more host read per block: are they finite) and the KL term ``kl`` (added per block by
+    :class:`dapo_ops._kl_cpu.KLBlocks`) are optional.
     """
     batch, seq = logp.shape
     dtype = scale.dtype
@@ -113,19 +130,25 @@ def cpu_terms(
         return (a.neg(), lo_all, hi_all, scale * a.neg())
 
     row_terms = row_terms_of(adv)
-    fast = _fast_path_ok(adv, scale, row_terms[3] if row_terms else None, clamp)
+    magnitude = _magnitude(adv, scale, row_terms[3] if row_terms else None)
+    fast = _fast_path_ok(per_row, magnitude, clamp)
     if not fast and clamp <= 60.0:  # maybe only masked advantages are not finite
         adv = _masked_advantages(adv, valid)
         row_terms = row_terms_of(adv)
-        fast = _fast_path_ok(adv, scale, row_terms[3] if row_terms else None, clamp)
+        magnitude = _magnitude(adv, scale, row_terms[3] if row_terms else None)
+        fast = _fast_path_ok(per_row, magnitude, clamp)
     lo, hi = 1.0 - objective.eps_low, 1.0 + objective.eps_high
     cap = _BIG if objective.dual_clip is None else objective.dual_clip
     same_dtype = logp.dtype == old_logp.dtype == dtype
     valid_u8 = valid.view(torch.uint8)
     per_row_scale = scale.ndim > 0
-    # q, the mask as floats, r when there is no gradient buffer to work in, per-token terms
-    n_bufs = 2 + (not with_grad) + (0 if per_row else 4)
+    # scratch: q, the mask as floats, r when there is no gradient buffer to work in, the
+    # per-token terms or, with IS weights and per-row advantages, one for (w rho) (-A);
+    # rho itself is copied (to the compute dtype, or without masked garbage) on demand
+    i_tok = 2 + (not with_grad)
+    n_bufs = i_tok + (4 if not per_row else int(is_weights is not None))
     bufs = [torch.empty((rows, seq), dtype=dtype) for _ in range(n_bufs)] if fast else []
+    rho_buf: list[Tensor] = []
     one_block = rows >= batch
 
     for start in range(0, batch, rows):
@@ -147,9 +170,17 @@ def cpu_terms(
                 r.copy_(torch.where(valid_b, r, 0.0))
                 low, high = (float(x) for x in torch.aminmax(r))
             block_fast = not (math.isnan(low) or math.isnan(high))  # NaN on a valid token
+        rho = None
+        if block_fast and is_weights is not None:
+            if not rho_buf and is_weights.dtype != dtype:
+                rho_buf.append(torch.empty((rows, seq), dtype=dtype))
+            rho, bound = _weights(is_weights, sl, one_block, valid_b, rho_buf, magnitude)
+            block_fast = rho is not None and math.exp(min(high, clamp)) * bound < _BIG * 1e-3
+        if block_fast and kl is not None:
+            block_fast = kl.prepare(sl, valid_b)
         if not block_fast:
             w_b = scale[sl] if per_row_scale else scale
-            rs, g = exact(lp_b, old_b, adv[sl], valid_b, w_b, with_grad)
+            rs, g = exact(lp_b, old_b, adv[sl], valid_b, w_b, with_grad, sl)
             row_sums[sl] = rs
             if grad is not None and g is not None:
                 grad[sl] = g
@@ -162,34 +193,63 @@ def cpu_terms(
         elif low < -clamp or high > clamp:
             r.clamp_(-clamp, clamp)
         r.exp_()
+        w_b = scale if not per_row_scale or one_block else scale[sl]
         if row_terms is not None:
             na_b, lo_b, hi_b, wna_b = (t if one_block else t[sl] for t in row_terms)
         else:
-            tok = views[-4:]
+            tok = views[i_tok : i_tok + 4]
             na_b = torch.neg(adv if one_block else adv[sl], out=tok[3])
             _token_bounds(na_b, tok, lo, cap, hi)
             lo_b, hi_b = tok[1], tok[2]
-        torch.maximum(r, lo_b, out=q)
-        torch.minimum(q, hi_b, out=q)
+        torch.clamp(r, lo_b, hi_b, out=q)  # min(max(r, lo_A), hi_A): lo_A <= hi_A
         vf.copy_(valid_u8 if one_block else valid_u8[sl])
-        q.mul_(vf)  # q m: the loss is (-A) q m
+        q.mul_(vf)  # q m: the loss is (-A) q m rho
         rs = row_sums if one_block else row_sums[sl]
-        if grad is not None:
-            if row_terms is not None:
-                torch.sum(q, dim=-1, out=rs).mul_(na_b[:, 0])
+        ind = None  # [unclipped and valid] as 0/1 floats, for the gradient
+        if row_terms is not None:
+            if grad is not None and rho is not None:  # the indicator first, then q rho
+                ind = torch.eq(q, r, out=views[-1])
+            torch.sum(q if rho is None else q.mul_(rho), dim=-1, out=rs).mul_(na_b[:, 0])
+            if grad is not None and rho is None:
                 ind = torch.eq(q, r, out=q)
-            else:
-                ind = torch.eq(q, r, out=tok[1])
-                torch.sum(q.mul_(na_b), dim=-1, out=rs)
-                # ((w * -A) * 1) * r: the reference's rounding order
-                w_b = scale if not per_row_scale or one_block else scale[sl]
-                wna_b = torch.mul(na_b, w_b, out=tok[2])
-            if keep is not None:
-                ind.mul_(keep)
-            # + 0.0 turns the -0.0 of (r * 0) * (w * -A < 0) into the reference's +0.0
-            r.mul_(ind).mul_(wna_b).add_(0.0)
-        elif row_terms is not None:
-            torch.sum(q, dim=-1, out=rs).mul_(na_b[:, 0])
+            elif grad is not None and rho is not None:  # ((w * rho) * -A): q is free now
+                wna_b = torch.mul(rho, w_b, out=q).mul_(na_b)
         else:
-            torch.sum(q.mul_(na_b), dim=-1, out=rs)
+            if grad is not None:
+                ind = torch.eq(q, r, out=tok[1])
+            q.mul_(na_b)
+            torch.sum(q if rho is None else q.mul_(rho), dim=-1, out=rs)
+            if grad is not None:  # ((w * rho) * -A) * 1: the reference's rounding order
+                w_tok = w_b if rho is None else torch.mul(rho, w_b, out=tok[2])
+                wna_b = torch.mul(na_b, w_tok, out=tok[2])
+        g_b = None
+        if ind is not None:
+            assert r is not None
+            g_b = r.mul_(ind.mul_(keep) if keep is not None else ind).mul_(wna_b)
+            # (r ind) wna is the generic (w -A) r where ind = 1, and +-0 elsewhere, where the
+            # generic body writes +0.0: adding -0.0 * (ind - 1) turns exactly those -0.0 into
+            # +0.0 (and keeps the generic -0.0 of an unclipped token with A = +0)
+            g_b.add_(ind.sub_(1.0), alpha=-0.0)
+        if kl is not None:  # q is free again: the KL term's scratch
+            kl.add(sl, vf, rs, g_b, q)
     return row_sums, grad
+
+
+def _weights(
+    is_weights: Tensor, sl: slice, one_block: bool, valid: Tensor, buf: list[Tensor], mag: float
+) -> tuple[Tensor | None, float]:
+    """The block's IS weights in the compute dtype, finite (masked garbage replaced by 0;
+    a copy goes to ``buf``, allocated here when first needed), and the bound
+    ``max |rho| * mag`` of ``(w rho) (-A)``; None if a valid weight is not finite."""
+    rho = is_weights if one_block else is_weights[sl]
+    n = rho.shape[0]
+    if buf and rho.dtype != buf[0].dtype:
+        rho = buf[0].view(-1)[: rho.numel()].view(rho.shape).copy_(rho)
+    low, high = (float(x) for x in torch.aminmax(rho))
+    if math.isfinite(low) and math.isfinite(high):
+        return rho, max(-low, high) * mag
+    if not buf:
+        buf.append(torch.empty(rho.shape, dtype=rho.dtype))
+    out = buf[0].view(-1)[: rho.numel()].view(n, -1)
+    clean, biggest = finite_or_masked(rho, valid, out)
+    return clean, biggest * mag
