@@ -84,6 +84,8 @@ def child(spec: dict[str, Any]) -> dict[str, int]:
         if case.warm_inputs is not None:
             impl.build(case.warm_inputs())()  # library initialisation, compilation
             fn = impl.build(case.make_inputs())
+            if impl.compiled:
+                fn()  # a new shape: compiled code recompiles once
         else:
             fn = impl.build(case.make_inputs())
             fn()

@@ -190,7 +190,11 @@ measured in the same run instead (one `h @ W.T`). Extra peak = memory above the 
 during one call, in a fresh process: bytes of live tensors (profiler allocator events;
 CUDA: `max_memory_allocated`) and resident set growth (`VmHWM - VmRSS`); `x basis`
 divides the first (or RSS where only it exists) by the inputs' or the logits' size.
-Rows that cannot run here state why (a missing peer, the exact error)."""
+Rows that cannot run here state why (a missing peer, the exact error). The peers' own
+functions are timed where they import: run in the integration environment
+(`.ci/integration`: TRL, `pip install --no-deps verl==0.9.1`) with
+`pip install --no-deps liger-kernel` and `pip install triton` (verl's
+`FusedLinearForPPO` imports Liger's Triton ops; triton installs and imports on CPU)."""
 
 
 def render(data: dict[str, Any]) -> str:
