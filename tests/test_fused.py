@@ -33,8 +33,11 @@ from hypothesis import strategies as st
 from dapo_ops import (
     ClipHigher,
     InputError,
+    KLPenalty,
     clip_higher_surrogate,
     kl_penalty,
+    policy_loss,
+    testing,
     token_level_aggregate,
     token_level_loss,
 )
@@ -608,3 +611,29 @@ def test_double_backward_differentiates_the_definition(with_kl_is: bool) -> None
     (h_r,) = torch.autograd.grad(g_r.pow(2).sum(), lp_r)
     assert_within(h_f, h_r, 6 * c * s_t.square(), "second derivative")
     assert bool(h_f.abs().sum() > 0)
+
+
+@pytest.mark.parametrize("adv_layout", ["batch", "batch seq"])
+@pytest.mark.parametrize("with_kl_is", [False, True])
+def test_zero_advantages_keep_the_reference_sign_of_zero(adv_layout: str, with_kl_is: bool) -> None:
+    """A = +0.0 (a group with equal rewards): autograd through the reference gives -0.0
+    (``(w * -A) * r``) on valid unclipped tokens and +0.0 on clipped and masked ones; the
+    CPU kernel gives the same bits, with and without KL (clamp acting) and IS weights."""
+    b = make_batch(5, 12, 21, spread=0.5)
+    adv = torch.zeros(5) if adv_layout == "batch" else torch.zeros(5, 12)
+    adv[1] = 0.7  # one row with a signal
+    extra: dict[str, Any] = {}
+    if with_kl_is:
+        ref = b.logp + torch.randn(5, 12, generator=torch.Generator().manual_seed(2))
+        w = torch.rand(5, 12, generator=torch.Generator().manual_seed(3))
+        extra = {"ref_logp": ref, "kl": KLPenalty(beta=0.1, estimator="k2", log_ratio_clamp=0.5)}
+        extra["is_weights"] = w
+    grads = []
+    for loss in (policy_loss, testing.reference_loss):
+        lp = b.logp.clone().requires_grad_(True)
+        loss(ClipHigher(), lp, b.old_logp, adv, b.mask, **extra).backward()
+        assert lp.grad is not None
+        grads.append(lp.grad)
+    assert torch.equal(grads[0], grads[1])
+    assert torch.equal(grads[0].signbit(), grads[1].signbit())
+    assert bool(grads[0].signbit().any())  # the case is exercised
