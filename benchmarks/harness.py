@@ -247,6 +247,10 @@ def run_case(suite: str, case: Case, proto: Protocol, log: Callable[[str], None]
                 res.first_call_s = time_once(fn, device)  # warm-up (and compilation)
                 per_call[impl.name] = time_once(fn, device)
                 fns[impl.name] = fn
+                if per_call[impl.name] > 1.0:  # a long case: show progress
+                    log(
+                        f"    {impl.name}: first call {res.first_call_s:.1f} s, then {per_call[impl.name]:.1f} s"
+                    )
             except Exception as e:  # recorded in the table, exactly
                 res.error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
                 log(f"    {impl.name}: ERROR {res.error}")
