@@ -8,7 +8,14 @@ import torch
 from jaxtyping import Float, Integer
 from torch import Tensor
 
-from dapo_ops._groups import restore, segment_count, segment_reduce, segment_sum, segments
+from dapo_ops._groups import (
+    check_groups,
+    group_amax,
+    group_each,
+    group_sizes,
+    group_sum,
+    groups_of,
+)
 from dapo_ops._validate import (
     InputError,
     check_bool,
@@ -16,8 +23,8 @@ from dapo_ops._validate import (
     check_float,
     check_option,
     check_real,
+    is_compiling,
 )
-from dapo_ops.aggregation import safe_divide
 
 #: A group (or batch) whose reward std is at most this fraction of its largest |reward| is
 #: treated as zero-variance: its spread is float rounding, not signal (~8 float32 ulps).
@@ -60,7 +67,9 @@ def group_advantages(
     Layouts: dense ``rewards [groups, samples]``; or flat ``rewards [batch]`` with
     ``group_ids [batch]`` (integers; groups may be non-contiguous, unsorted and of
     different sizes). The output has the layout of ``rewards``. Vectorised: no Python loop
-    over groups or samples, and no host sync but the finiteness check.
+    over groups or samples, and no host sync but the finiteness check (and, eagerly on
+    CPU, a read of the ids' range: ids spanning fewer values than samples index the
+    groups directly, without a sort).
 
     Boundary cases, all giving advantage exactly 0 (never NaN or inf): a one-sample group;
     a group whose rewards are all equal; a group whose std is float rounding, i.e. at most
@@ -103,51 +112,80 @@ def group_advantages(
     if not eps >= 0.0:
         raise InputError(f"eps must be finite and >= 0, got {eps}")
     check_bool("unbiased", unbiased)
-    seg = segments("rewards", rewards, group_ids)
-    check_finite("rewards", rewards)
+    check_groups("rewards", rewards, group_ids)
     out_dtype = torch.float64 if rewards.dtype == torch.float64 else torch.float32
-
-    x = seg.values.to(torch.float64)
-    count = segment_count(seg, torch.float64)
-    max_abs = segment_reduce(seg, x.abs(), "amax")
+    x = rewards.to(torch.float64)
+    if x.numel() == 0:
+        return x.new_zeros(x.shape, dtype=out_dtype)
+    groups = groups_of(x, group_ids)
+    max_abs = group_amax(groups, x.abs())  # NaN and inf propagate to it
     # Each group is divided by a power of two near its largest |R| (exact: no rounding),
-    # so that no sum or square can overflow, even for float64 rewards near 1e308; the
-    # advantage is a ratio, in which the scale cancels exactly.
-    g_scale = pow2_scale(max_abs)
-    y = x / g_scale[seg.segment]
-    mean = segment_sum(seg, y) / count.clamp(min=1)
-    centered = y - mean[seg.segment]
-    dof = count - 1 if unbiased else count
-    group_std = (segment_sum(seg, centered * centered) / dof.clamp(min=1)).sqrt()
-    single = count == 1
-    degenerate = (count < 2) | (group_std <= ZERO_STD_RTOL * (max_abs / g_scale))
-    if singleton == "score":  # verl: a lone sample has mean 0 and std 1
-        degenerate = degenerate & ~single
-    score = single[seg.segment] if singleton == "score" else None
-
-    if baseline == "mean":
-        residual = centered
-    else:  # R_i - mean_{j != i} R_j = n / (n - 1) * (R_i - mean); exact 0 for equal rewards
-        n = count[seg.segment]
-        residual = centered * (n / (n - 1).clamp(min=1))
-    # residual and group_std are in units of the group's scale
-
-    if scale == "group":
-        advantages = safe_divide(residual, (group_std + eps / g_scale)[seg.segment])
-        lone = x / (1.0 + eps)
-    elif scale == "batch":
-        b_scale = pow2_scale(max_abs.amax() if max_abs.numel() else max_abs.new_zeros(()))
-        xb = x / b_scale
-        batch_centered = xb - xb.sum() / max(x.numel(), 1)
-        batch_dof = max(x.numel() - 1, 1) if unbiased else max(x.numel(), 1)
-        batch_std = ((batch_centered * batch_centered).sum() / batch_dof).sqrt()
-        den = batch_std + eps / b_scale  # batch std 0 => residuals 0
-        advantages = safe_divide(residual * (g_scale / b_scale)[seg.segment], den)
-        lone = safe_divide(xb, den)
+    # so that no sum or square can overflow or underflow, even for float64 rewards near
+    # 1e308 or 1e-308; the advantage is a ratio, in which the scale cancels exactly.
+    # Eagerly, when every group's largest |R| lies in [2^-300, 2^300] (or is 0), the
+    # scaling changes no bit and is skipped: one host read, also the finiteness check.
+    g_scale: Tensor | None = None
+    if is_compiling() or not _moderate(max_abs.detach()):
+        if not is_compiling():
+            check_finite("rewards", rewards)  # raises if a reward is NaN or inf
+        g_scale = pow2_scale(max_abs)
+    count = group_sizes(groups, x)  # a number for the dense layout, else per group
+    y = x if g_scale is None else x * group_each(groups, 1.0 / g_scale)[0]  # exact
+    (mean,) = group_each(groups, group_sum(groups, y) / _at_least_one(count))
+    centered = y - mean
+    var = group_sum(groups, centered * centered) / _at_least_one(count - 1 if unbiased else count)
+    if x.requires_grad:  # sqrt's derivative at 0 is inf: 0 * inf would be a NaN gradient
+        group_std = torch.where(var > 0, torch.where(var > 0, var, 1.0).sqrt(), 0.0)
     else:
-        advantages = residual * g_scale[seg.segment]  # R - b itself (inf only if it is)
-        lone = x
-    if score is not None:
-        advantages = torch.where(score, lone, advantages)
-    advantages = torch.where(degenerate[seg.segment], torch.zeros_like(advantages), advantages)
-    return restore(seg, advantages.to(out_dtype))
+        group_std = var.sqrt()
+    unit_max = max_abs if g_scale is None else max_abs / g_scale
+    degenerate = group_std <= ZERO_STD_RTOL * unit_max
+    too_few = count < 2
+    if isinstance(too_few, Tensor) or too_few:
+        degenerate = degenerate | too_few
+    single = count == 1
+    if singleton == "score":  # verl: a lone sample has mean 0 and std 1
+        degenerate = degenerate & ~single if isinstance(single, Tensor) else degenerate & False
+    # the advantage is the residual (in units of the group's scale) times a per-group
+    # factor, 0 for a group without signal
+    unit = 1.0 if g_scale is None else g_scale
+    if scale == "group":
+        den = group_std if eps == 0.0 else group_std + eps / unit
+        factor: Tensor | float = 1.0 / torch.where(den == 0, 1.0, den)
+        lone_den: Tensor | float = 1.0 + eps
+    elif scale == "batch":
+        b_scale = 1.0 if g_scale is None else pow2_scale(max_abs.amax())
+        xb = x / b_scale
+        batch_centered = xb - xb.sum() / x.numel()
+        batch_dof = max(x.numel() - 1, 1) if unbiased else x.numel()
+        batch_std = ((batch_centered * batch_centered).sum() / batch_dof).sqrt()
+        b_den = batch_std + eps / b_scale  # batch std 0 => residuals 0
+        b_den = torch.where(b_den == 0, 1.0, b_den)
+        factor = (unit / b_scale) / b_den
+        lone_den = b_scale * b_den  # a power of two times b_den: exact
+    else:
+        factor = unit  # R - b itself (inf only if it is)
+        lone_den = 1.0
+    if baseline == "leave_one_out":  # R_i - mean_{j != i} R_j = n / (n - 1) (R_i - mean)
+        factor = factor * (count / _at_least_one(count - 1))
+    if not isinstance(factor, Tensor):  # a Python number would make a float32 where
+        factor = x.new_tensor(factor)
+    (factor_each,) = group_each(groups, torch.where(degenerate, 0.0, factor))
+    advantages = centered * factor_each
+    if singleton == "score" and isinstance(single, Tensor):
+        (lone_flag,) = group_each(groups, single)
+        advantages = torch.where(lone_flag, x / lone_den, advantages)
+    elif singleton == "score" and single:  # dense, one sample per group
+        advantages = x / lone_den
+    # + 0.0: a group without signal gives +0.0 (not -0.0 = negative residual * 0)
+    return advantages.to(out_dtype).add_(0.0)
+
+
+def _moderate(max_abs: Tensor) -> bool:
+    """Every group's largest |R| finite and in [2^-300, 2^300] or 0 (one host read)."""
+    low, high = (float(v) for v in torch.aminmax(torch.where(max_abs == 0, 1.0, max_abs)))
+    return low >= 2.0**-300 and high <= 2.0**300
+
+
+def _at_least_one(count: Tensor | float) -> Tensor | float:
+    return count.clamp(min=1) if isinstance(count, Tensor) else max(count, 1.0)
