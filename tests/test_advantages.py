@@ -184,3 +184,47 @@ def test_inputs_not_modified_and_low_precision_inputs() -> None:
     assert torch.equal(r, before) and adv.dtype == torch.float32
     # bfloat16 and float32 hold the same values, which are upcast to float64: bitwise
     assert torch.equal(adv, group_advantages(r.float()))
+
+
+@given(st.integers(1, 40), st.integers(1, 8), st.integers(0, 2**31 - 1))
+def test_direct_and_sorted_group_index_agree_bitwise(batch: int, max_id: int, seed: int) -> None:
+    """Ids spanning fewer values than samples index the groups directly (eager CPU); wide
+    ids go through the stable sort. Both sum each group's samples in sample order: the
+    same bits."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, max_id, (batch,), generator=g)
+    rewards = torch.randn(batch, generator=g)
+    for scale in ("group", "batch", "none"):
+        for singleton in ("zero", "score"):
+            kw = {"scale": scale, "singleton": singleton, "baseline": "leave_one_out"}
+            near = group_advantages(rewards, ids, **kw)  # type: ignore[arg-type]
+            wide = group_advantages(rewards, ids * 10**12 - 5, **kw)  # type: ignore[arg-type]
+            assert torch.equal(near, wide)
+            assert torch.equal(near.signbit(), wide.signbit())
+
+
+@pytest.mark.parametrize("power", [-600, -301, 0, 299, 301, 600])
+def test_power_of_two_rescaling_changes_no_bit(power: int) -> None:
+    """The per-group power-of-two scaling is exact: rewards times 2^k give the same
+    advantages bit for bit, whether the scaling runs (|R| beyond 2^+-300) or is skipped."""
+    g = torch.Generator().manual_seed(power + 1000)
+    r = torch.randn(6, 5, generator=g, dtype=F64)
+    r[2] = 0.5  # a constant group
+    for scale in ("group", "batch"):
+        want = group_advantages(r, scale=scale)  # type: ignore[arg-type]
+        got = group_advantages(r * 2.0**power, scale=scale)  # type: ignore[arg-type]
+        assert torch.equal(got, want)
+        assert torch.equal(got.signbit(), want.signbit())
+
+
+def test_constant_groups_have_finite_gradients() -> None:
+    r = torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 2.0], [5.0, 0.0, 0.0]], requires_grad=True)
+    group_advantages(r).square().sum().backward()
+    assert r.grad is not None and bool(torch.isfinite(r.grad).all())
+    assert bool((r.grad[0] == 0).all())
+    flat = torch.tensor([1.0, 1.0, 0.0, 2.0, 4.0], requires_grad=True)
+    ids = torch.tensor([0, 0, 1, 1, 2])
+    for scale in ("group", "batch", "none"):
+        flat.grad = None
+        group_advantages(flat, ids, scale=scale, singleton="score").square().sum().backward()  # type: ignore[arg-type]
+        assert flat.grad is not None and bool(torch.isfinite(flat.grad).all())
