@@ -19,7 +19,7 @@ from _bounds import assert_within, fused_reference, softmax_reference, sum_bound
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dapo_ops import logprobs as logprobs_module
+from dapo_ops import _softmax_blocks as softmax_blocks
 from dapo_ops import token_level_loss
 from dapo_ops._validate import InputError
 from dapo_ops.logprobs import (
@@ -417,7 +417,7 @@ def test_inplace_misuse_is_caught_by_autograd() -> None:
 @contextlib.contextmanager
 def piece_elements(n: int) -> Iterator[None]:
     """Backward pieces of ``max(1, n // vocab)`` rows while the block runs."""
-    sizes = logprobs_module.BACKWARD_PIECE_ELEMENTS
+    sizes = softmax_blocks.BACKWARD_PIECE_ELEMENTS
     saved = dict(sizes)
     sizes.update(cpu=n, other=n)
     try:
