@@ -57,18 +57,20 @@ def _token_bounds(neg_adv: Tensor, bufs: list[Tensor], lo: float, cap: float, hi
     lo_a.mul_(_BIG).add_(s, alpha=lo)
 
 
-def _magnitude(adv: Tensor, scale: Tensor, w_neg_adv: Tensor | None) -> float:
-    """A bound on ``|w A|`` for the overflow checks (inf when any product is not finite).
+def _magnitude(adv: Tensor, scale: Tensor, w_neg_adv: Tensor | None) -> tuple[float, float]:
+    """Bounds on ``|w A|``: the largest, for the overflow checks (inf or NaN when a product
+    is not finite), and the smallest (0 per token), for the sign-of-zero shortcut.
 
     Per-row advantages: ``w * -A`` finite implies ``-A`` finite unless ``w == 0``, when
     ``0 * inf`` is NaN and fails the check too. Per-token: ``max |A| * max(max |w|, 1)``.
     """
     if w_neg_adv is not None:
-        if not math.isfinite(float(w_neg_adv.sum())):
-            return math.inf
-        return float(w_neg_adv.abs().amax()) if w_neg_adv.numel() else 0.0
+        if not w_neg_adv.numel():
+            return 0.0, 0.0
+        smallest, largest = (float(v) for v in torch.aminmax(w_neg_adv.abs()))
+        return (largest if math.isfinite(largest) else math.inf), smallest
     biggest = float(adv.abs().amax()) if adv.numel() else 0.0
-    return biggest * max(float(scale.abs().amax()), 1.0)
+    return biggest * max(float(scale.abs().amax()), 1.0), 0.0
 
 
 def _fast_path_ok(per_row: bool, magnitude: float, clamp: float) -> bool:
@@ -130,13 +132,14 @@ def cpu_terms(
         return (a.neg(), lo_all, hi_all, scale * a.neg())
 
     row_terms = row_terms_of(adv)
-    magnitude = _magnitude(adv, scale, row_terms[3] if row_terms else None)
+    magnitude, smallest = _magnitude(adv, scale, row_terms[3] if row_terms else None)
     fast = _fast_path_ok(per_row, magnitude, clamp)
     if not fast and clamp <= 60.0:  # maybe only masked advantages are not finite
         adv = _masked_advantages(adv, valid)
         row_terms = row_terms_of(adv)
-        magnitude = _magnitude(adv, scale, row_terms[3] if row_terms else None)
+        magnitude, smallest = _magnitude(adv, scale, row_terms[3] if row_terms else None)
         fast = _fast_path_ok(per_row, magnitude, clamp)
+    tiny = torch.finfo(dtype).tiny
     lo, hi = 1.0 - objective.eps_low, 1.0 + objective.eps_high
     cap = _BIG if objective.dual_clip is None else objective.dual_clip
     same_dtype = logp.dtype == old_logp.dtype == dtype
@@ -201,7 +204,8 @@ def cpu_terms(
             na_b = torch.neg(adv if one_block else adv[sl], out=tok[3])
             _token_bounds(na_b, tok, lo, cap, hi)
             lo_b, hi_b = tok[1], tok[2]
-        torch.clamp(r, lo_b, hi_b, out=q)  # min(max(r, lo_A), hi_A): lo_A <= hi_A
+        torch.maximum(r, lo_b, out=q)  # (clamp with tensor bounds is ~5x slower on CPU)
+        torch.minimum(q, hi_b, out=q)
         vf.copy_(valid_u8 if one_block else valid_u8[sl])
         q.mul_(vf)  # q m: the loss is (-A) q m rho
         rs = row_sums if one_block else row_sums[sl]
@@ -228,8 +232,13 @@ def cpu_terms(
             g_b = r.mul_(ind.mul_(keep) if keep is not None else ind).mul_(wna_b)
             # (r ind) wna is the generic (w -A) r where ind = 1, and +-0 elsewhere, where the
             # generic body writes +0.0: adding -0.0 * (ind - 1) turns exactly those -0.0 into
-            # +0.0 (and keeps the generic -0.0 of an unclipped token with A = +0)
-            g_b.add_(ind.sub_(1.0), alpha=-0.0)
+            # +0.0 (and keeps the generic -0.0 of an unclipped token with A = +0). Per-row
+            # terms with no |w A| r below the normal range: no -0.0 where ind = 1, so + 0.0
+            # does it in one pass
+            if rho is None and smallest * math.exp(max(low, -clamp)) > 2 * tiny:
+                g_b.add_(0.0)
+            else:
+                g_b.add_(ind.sub_(1.0), alpha=-0.0)
         if kl is not None:  # q is free again: the KL term's scratch
             kl.add(sl, vf, rs, g_b, q)
     return row_sums, grad
