@@ -145,6 +145,9 @@ TOKENS = Arg("ids", ("B", "S"), high="V")
 # -inf (masked vocabulary entries, a finite result) is as documented as a NaN result.
 HIDDEN = Arg("float", ("B", "S", "D"), posinf=ANY, neginf=ANY)
 WEIGHT = Arg("float", ("V", "D"), posinf=ANY, neginf=ANY)
+# linear_policy_loss ignores the hidden rows at masked positions (a NaN there changes
+# nothing), so a NaN drawn anywhere in hidden need not reach the loss.
+HIDDEN_LOSS = dataclasses.replace(HIDDEN, nan=ANY)
 
 GROUP_IDS = Arg("ids", ("B",), high="G")
 METRIC = Arg("float", ("B", "S"), nan=RAISE, posinf=RAISE, neginf=RAISE)  # [groups, samples]
@@ -171,6 +174,7 @@ COV_LOGP = dataclasses.replace(LOGP_M, nan=ANY)
 COV_ADV = dataclasses.replace(ADV_M, nan=ANY)
 OBJ = d.ClipHigher()
 KL = d.KLPenalty()
+LINEAR_OPTS = {"mode": BAD_MODE, "normalizer": BAD_NORM, "max_len": BAD_INT1, "temperature": BAD_POS, "chunk_size": BAD_INT1, "entropy_coef": (NAN, INF, "0.1", None), "objective": (None, "clip")}
 
 REGISTRY: list[Spec] = [
     # ------------------------------------------------------------ loss path
@@ -183,6 +187,8 @@ REGISTRY: list[Spec] = [
     spec("gspo_surrogate", {"eps_low": BAD_PROB, "eps_high": (-0.1, NAN, INF)}, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK),
     spec("kl_cov_mask", {"fraction": (0.0, 1.5, NAN, "0.1")}, logp=COV_LOGP, advantages=COV_ADV, mask=MASK),
     spec("kl_penalty", {"estimator": ("k9", None), "log_ratio_clamp": BAD_POS, "clamp": BAD_POS, "straight_through": BAD_BOOL}, logp=LOGP, ref_logp=OLD, mask=MASK),
+    spec("linear_policy_loss", LINEAR_OPTS, hidden=HIDDEN_LOSS, weight=WEIGHT, tokens=TOKENS, old_logp=OLD, advantages=ADV, mask=MASK, bias=Arg("float", ("V",), neginf=ANY), ref_logp=OLD, is_weights=IS_W, kl=KL, entropy_coef=0.01),
+    spec("linear_policy_loss_with_diagnostics", LINEAR_OPTS, hidden=HIDDEN_LOSS, weight=WEIGHT, tokens=TOKENS, old_logp=OLD, advantages=ADV, mask=MASK, bias=Arg("float", ("V",), neginf=ANY), ref_logp=OLD, is_weights=IS_W, kl=KL, entropy_coef=0.01, empty="any"),
     spec("objective_diagnostics", objective=OBJ, logp=LOGP_M, old_logp=LOGP_M, advantages=ADV_DIAG, mask=MASK, entropy=ENTROPY, empty="any"),
     spec("per_token_loss", objective=OBJ, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK),
     spec("policy_diagnostics", {"eps_low": BAD_PROB, "eps_high": (-0.1, NAN, INF), "dual_clip": (1.0, NAN), "log_ratio_clamp": BAD_POS}, logp=LOGP_M, old_logp=LOGP_M, advantages=ADV_DIAG, mask=MASK, empty="any"),

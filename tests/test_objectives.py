@@ -316,6 +316,15 @@ def test_constants_requiring_grad_are_refused(objective: Objective) -> None:
     testing.check_constants_refused(objective)
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("objective", ALL)
+def test_linear_policy_loss_equals_the_composition(objective: Objective, mode: str) -> None:
+    """The entry point from hidden states (dapo_ops.linear_policy_loss): loss and
+    gradients w.r.t. hidden, weight and bias as the composition's, one chunk and chunks
+    of 3 tokens, with KL, IS weights and an entropy bonus."""
+    testing.check_linear_loss(objective, mode=mode)
+
+
 # --------------------------------------------------------------------------- the checks bite
 
 

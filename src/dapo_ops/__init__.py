@@ -34,6 +34,11 @@ from dapo_ops.estimators import (
 from dapo_ops.gspo import gspo_sequence_ratio, gspo_surrogate
 from dapo_ops.importance import rejection_mask, truncated_is_weights
 from dapo_ops.kl import KLPenalty, kl_penalty
+from dapo_ops.linear_loss import (
+    LinearDiagnostics,
+    linear_policy_loss,
+    linear_policy_loss_with_diagnostics,
+)
 from dapo_ops.logprobs import (
     LogpEntropy,
     fused_logprobs_entropy,
@@ -85,6 +90,7 @@ __all__ = [
     "EntropyCoef",
     "InputError",
     "KLPenalty",
+    "LinearDiagnostics",
     "LogpEntropy",
     "Objective",
     "ObjectivePreset",
@@ -113,6 +119,8 @@ __all__ = [
     "kept_group_fraction",
     "kl_cov_mask",
     "kl_penalty",
+    "linear_policy_loss",
+    "linear_policy_loss_with_diagnostics",
     "masked_whiten",
     "objective_diagnostics",
     "off_policy_sequence_mask",

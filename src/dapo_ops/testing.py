@@ -62,6 +62,7 @@ __all__ = [
     "check_fused_gradient",
     "check_gradcheck",
     "check_inputs_unchanged",
+    "check_linear_loss",
     "check_low_precision",
     "check_masked_garbage",
     "check_micro_batches",
@@ -631,6 +632,63 @@ def check_fields(objective: Objective) -> None:
                 )
 
 
+def check_linear_loss(
+    objective: Objective,
+    batch: Batch | None = None,
+    *,
+    mode: AggregationMode = "token_mean",
+    chunk_sizes: tuple[int | None, ...] = (None, 3),
+    vocab: int = 11,
+) -> None:
+    """:func:`dapo_ops.linear_policy_loss`, the entry point from hidden states, equals the
+    composition it replaces: ``log_softmax(hidden @ W.T + bias)`` at the tokens, then
+    :func:`reference_loss` (with a KL penalty and IS weights) minus an entropy bonus, loss
+    and gradients w.r.t. hidden, weight and bias by autograd, in float64 within
+    :data:`F64_RTOL` of each entry plus the largest. The log-probs are made from random
+    hidden states; ``old_logp`` keeps the batch's log-ratios (so the same clip decisions
+    arise). ``chunk_sizes``: tokens per chunk (3 cuts every sequence: token chunks, or a
+    sequence walked twice)."""
+    from dapo_ops.linear_loss import linear_policy_loss
+
+    b = _default(objective, batch, torch.float64)
+    g = torch.Generator().manual_seed(7)
+    n, seq = b.logp.shape
+    hidden = torch.randn(n, seq, 5, generator=g, dtype=torch.float64)
+    weight = torch.randn(vocab, 5, generator=g, dtype=torch.float64)
+    bias = torch.randn(vocab, generator=g, dtype=torch.float64)
+    tokens = torch.randint(0, vocab, (n, seq), generator=g)
+    ref = (b.logp.double() + 0.3 * torch.randn(n, seq, generator=g, dtype=torch.float64)).detach()
+    rho = torch.rand(n, seq, generator=g, dtype=torch.float64) + 0.5
+    kl, coef = KLPenalty(beta=0.1), 0.03
+
+    def naive(h: Tensor, w: Tensor, bb: Tensor) -> tuple[Tensor, Tensor]:
+        all_lp = torch.log_softmax(h @ w.T + bb, dim=-1)
+        logp = all_lp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        return logp, -(all_lp.exp() * all_lp).sum(dim=-1)
+
+    with torch.no_grad():
+        old = naive(hidden, weight, bias)[0] - (b.logp.double() - b.old_logp.double())
+    extra: dict[str, Any] = {"mode": mode, "ref_logp": ref, "kl": kl, "is_weights": rho}
+    leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    logp, entropy = naive(*leaves)
+    want_loss = reference_loss(objective, logp, old, b.advantages, b.mask, **extra)
+    want_loss = want_loss - coef * token_level_aggregate(entropy, b.mask, mode=mode)
+    want = torch.autograd.grad(want_loss, leaves)
+    for chunk in chunk_sizes:
+        leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+        loss = linear_policy_loss(
+            leaves[0], leaves[1], tokens, old, b.advantages, b.mask, objective=objective,
+            bias=leaves[2], entropy_coef=coef, chunk_size=chunk, **extra,
+        )  # fmt: skip
+        got = torch.autograd.grad(loss, leaves)
+        what = f"{_name(objective)}, mode={mode}, linear_policy_loss(chunk_size={chunk})"
+        err = F64_RTOL * (want_loss.abs() + 1)
+        _assert_within(loss, want_loss, err, f"{what}: loss vs the composition")
+        for name, x, y in zip(("hidden", "weight", "bias"), got, want, strict=True):
+            bound = F64_RTOL * (y.abs() + y.abs().max())
+            _assert_within(x, y, bound, f"{what}: gradient w.r.t. {name} vs the composition")
+
+
 # --------------------------------------------------------------------------- all of them
 
 
@@ -659,6 +717,7 @@ CHECKS: Mapping[str, Callable[..., None]] = {
     "double_backward": check_double_backward,
     "constants_refused": check_constants_refused,
     "compile": check_compile,
+    "linear_loss": _every_mode(check_linear_loss),
 }
 
 
