@@ -174,7 +174,15 @@ COV_LOGP = dataclasses.replace(LOGP_M, nan=ANY)
 COV_ADV = dataclasses.replace(ADV_M, nan=ANY)
 OBJ = d.ClipHigher()
 KL = d.KLPenalty()
-LINEAR_OPTS = {"mode": BAD_MODE, "normalizer": BAD_NORM, "max_len": BAD_INT1, "temperature": BAD_POS, "chunk_size": BAD_INT1, "entropy_coef": (NAN, INF, "0.1", None), "objective": (None, "clip")}
+LINEAR_OPTS = {
+    "mode": BAD_MODE,
+    "normalizer": BAD_NORM,
+    "max_len": BAD_INT1,
+    "temperature": BAD_POS,
+    "chunk_size": BAD_INT1,
+    "entropy_coef": (NAN, INF, "0.1", None),
+    "objective": (None, "clip"),
+}
 
 REGISTRY: list[Spec] = [
     # ------------------------------------------------------------ loss path

@@ -103,8 +103,12 @@ def _objective_terms(
     return scaled_sum(rows, scale), grad
 
 
-def _col(x: Tensor | None, shape: torch.Size) -> Tensor | None:
-    return None if x is None else x.expand(shape).reshape(-1, 1)
+def _col(x: Tensor, shape: torch.Size) -> Tensor:
+    return x.expand(shape).reshape(-1, 1)
+
+
+def _opt_col(x: Tensor | None, shape: torch.Size) -> Tensor | None:
+    return None if x is None else _col(x, shape)
 
 
 def _part(x: Tensor | None, start: int, stop: int) -> Tensor | None:
@@ -121,9 +125,9 @@ def _layout(t: LinearInputs, scale: Tensor, by_token: bool) -> tuple[LinearInput
     cols = [_col(x, shape) for x in (t.tokens, t.old_logp, t.adv, t.valid)]
     flat = t._replace(
         tokens=cols[0], old_logp=cols[1], adv=cols[2], valid=cols[3],
-        ref_logp=_col(t.ref_logp, shape), is_weights=_col(t.is_weights, shape),
+        ref_logp=_opt_col(t.ref_logp, shape), is_weights=_opt_col(t.is_weights, shape),
     )  # fmt: skip
-    return flat, scale if scale.ndim == 0 else _col(scale, shape)  # type: ignore[return-value]
+    return flat, scale if scale.ndim == 0 else _col(scale, shape)
 
 
 def _rows(t: LinearInputs, scale: Tensor, start: int, stop: int) -> tuple[LinearInputs, Tensor]:

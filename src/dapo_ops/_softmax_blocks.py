@@ -268,4 +268,3 @@ def grad_with_graph(
         entropy = -(prob * log_p).sum(dim=-1, keepdim=True)
         grad = grad - grad_entropy.reshape(-1, 1).to(cdt) * prob * (log_p + entropy)
     return grad / temperature
-

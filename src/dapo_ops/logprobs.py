@@ -239,9 +239,7 @@ def fused_logprobs_entropy(
         >>> torch.allclose(logp, ref.squeeze(-1), atol=1e-5)
         True
     """
-    hidden, weight, bias = check_projection(
-        hidden, weight, bias, "[tokens, d] or [batch, seq, d]"
-    )
+    hidden, weight, bias = check_projection(hidden, weight, bias, "[tokens, d] or [batch, seq, d]")
     vocab = weight.shape[0]
     check_options(temperature, chunk_size)
     rows_shape = hidden.shape[:-1]
@@ -258,4 +256,3 @@ def fused_logprobs_entropy(
         chunk,
     )
     return LogpEntropy(logp.view(rows_shape), entropy.view(rows_shape))
-
