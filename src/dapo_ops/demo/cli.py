@@ -1,129 +1,169 @@
-"""``python -m dapo_ops.demo``: train both methods, write the outputs, print a summary."""
+"""``python -m dapo_ops.demo``: train, write the CSV files, render the table and figure."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+from dapo_ops.demo import docs
+from dapo_ops.demo.ablation import (
+    DAPO_ROW,
+    GRPO_ROW,
+    TECHNIQUES,
+    Job,
+    Row,
+    ablation_rows,
+    run_jobs,
+)
+from dapo_ops.demo.progress import Progress
+from dapo_ops.demo.report import (
+    CURVE_COLUMNS,
+    RUN_COLUMNS,
+    STEP_COLUMNS,
+    curve_rows,
+    run_rows,
+    write_table,
+)
+from dapo_ops.demo.trainer import DemoConfig, RunResult
 
-from dapo_ops.demo.report import Progress, plot, summarize, write_csv
-from dapo_ops.demo.trainer import GRPO_BASELINE, DemoConfig, StepLog, dapo_preset, train
+
+@dataclass(frozen=True)
+class Command:
+    """What one invocation does (the CLI's options, as a value)."""
+
+    rows: tuple[Row, ...] = (DAPO_ROW, GRPO_ROW)
+    seeds: tuple[int, ...] = (0,)
+    config: DemoConfig = dataclasses.field(default_factory=DemoConfig)
+    target: float = 0.9  # accuracy for "steps / answers to target"
+    workers: int = 2
+    out: Path = Path("demo_out")
+    plot: bool = True
+    progress: bool = True
+    update_docs: bool = False  # rewrite README.md and docs/demo.md from out/runs.csv
+    render_only: bool = False  # train nothing: render from the CSV files in out
+
+    @property
+    def jobs(self) -> list[Job]:
+        return [
+            Job(row, dataclasses.replace(self.config, seed=seed))
+            for row in self.rows
+            for seed in self.seeds
+        ]
 
 
-def train_all(cfg: DemoConfig) -> dict[str, list[StepLog]]:
-    """Train each method of ``cfg.methods`` in turn, from the same initial weights."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a model this small runs fastest on one thread
+def train_all(cmd: Command) -> list[RunResult]:
+    """Every (row, seed) run, in ``cmd.workers`` processes; results in job order."""
+    jobs = cmd.jobs
+    progress = Progress(len(jobs), cmd.config.sample_budget, enabled=cmd.progress)
     try:
-        runs: dict[str, list[StepLog]] = {}
-        for name in cfg.methods:
-            preset = cfg.dapo if name == "dapo" else GRPO_BASELINE
-            progress = Progress(name, cfg, enabled=cfg.progress)
-            try:
-                runs[name] = train(cfg, preset, progress)
-            finally:
-                progress.close()
+        return run_jobs(jobs, cmd.workers, progress)
     finally:
-        torch.set_num_threads(threads)
-    return runs
+        progress.close()
 
 
-def write_outputs(cfg: DemoConfig, runs: dict[str, list[StepLog]]) -> list[Path]:
-    """``metrics.csv`` and, with matplotlib, ``dapo_vs_grpo.png``; returns what was written."""
-    cfg.out.mkdir(parents=True, exist_ok=True)
-    written = [cfg.out / "metrics.csv"]
-    write_csv(written[0], [log for logs in runs.values() for log in logs])
-    png = cfg.out / "dapo_vs_grpo.png"
-    if cfg.plot:
-        if plot(png, runs, cfg.task, by_samples=cfg.budget == "samples"):
-            written.append(png)
-        else:
-            print(
-                "matplotlib is not installed: no figure (pip install 'dapo_ops[demo]')",
-                file=sys.stderr,
-            )
-    return written
+def write_outputs(cmd: Command, results: Sequence[RunResult]) -> list[Path]:
+    """The CSV files, then the table and figure rendered from them; returns the paths."""
+    jobs = cmd.jobs
+    names = [job.row.name for job in jobs]
+    cmd.out.mkdir(parents=True, exist_ok=True)
+    runs, curves, steps = (cmd.out / n for n in ("runs.csv", "curves.csv", "steps.csv"))
+    keys = [(job.row.name, job.row.label, job.cfg.seed) for job in jobs]
+    write_table(runs, RUN_COLUMNS, run_rows(keys, results, cmd.target, cmd.config.sample_budget))
+    write_table(curves, CURVE_COLUMNS, curve_rows(names, results, cmd.config.sample_budget))
+    logs = [dataclasses.asdict(log) for result in results for log in result.logs]
+    write_table(steps, STEP_COLUMNS, logs)
+    return [runs, curves, steps, *docs.render_outputs(cmd.out, cmd.plot)]
 
 
-def run(cfg: DemoConfig) -> dict[str, list[StepLog]]:
-    """Train, write the CSV (and PNG) into ``cfg.out``, return the logs by method name."""
-    runs = train_all(cfg)
-    write_outputs(cfg, runs)
-    return runs
-
-
-def parse_args(argv: Sequence[str] | None = None) -> DemoConfig:
-    default = DemoConfig()
+def parse_args(argv: Sequence[str] | None = None) -> Command:
+    default, config = Command(), DemoConfig()
     p = argparse.ArgumentParser(
         prog="python -m dapo_ops.demo",
-        description="Train a tiny policy with DAPO and a GRPO baseline on CPU; "
-        "write metrics.csv and dapo_vs_grpo.png.",
+        description="Train a tiny policy with DAPO and a GRPO baseline on CPU (or every row "
+        "of the DAPO paper's ablation table with --ablation); write runs.csv, curves.csv, "
+        "steps.csv, table.md and curves.png.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--steps", type=int, default=default.steps, help="training steps per run")
-    p.add_argument("--seed", type=int, default=default.seed, help="random seed")
+    p.add_argument(
+        "--ablation",
+        action="store_true",
+        help="every row of the ablation table (GRPO + each technique in turn, DAPO minus "
+        "each technique) instead of DAPO vs GRPO",
+    )
+    p.add_argument("--seeds", type=int, default=len(default.seeds), help="seeds per row")
+    p.add_argument("--seed", type=int, default=default.seeds[0], help="first seed")
+    p.add_argument(
+        "--budget", type=int, default=config.sample_budget, help="generated answers per run"
+    )
+    p.add_argument("--target", type=float, default=default.target, help="target accuracy")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=min(default.workers, os.cpu_count() or 1),
+        help="worker processes (results do not depend on it)",
+    )
     p.add_argument("--out", type=Path, default=default.out, help="output directory")
-    p.add_argument("--group-size", type=int, default=default.group_size, help="answers per prompt")
-    p.add_argument(
-        "--method", choices=("both", "dapo", "grpo"), default="both", help="which runs to train"
+    techniques = p.add_argument_group(
+        "DAPO's techniques (each --no-* switches one off in the DAPO run, not with --ablation)"
     )
-    p.add_argument(
-        "--budget",
-        choices=("steps", "samples"),
-        default=default.budget,
-        help="samples: equal generated answers (steps x prompts x group size, GRPO's count; "
-        "DAPO then takes fewer steps); steps: equal training steps",
-    )
-    ablations = p.add_argument_group("DAPO ablations (each --no-* switches one DAPO component off)")
-    ablations.add_argument("--no-clip-higher", action="store_true", help="eps_high = eps_low = 0.2")
-    ablations.add_argument("--no-dynamic-sampling", action="store_true", help="train on all groups")
-    ablations.add_argument(
-        "--no-token-level", action="store_true", help="GRPO's seq_mean_token_mean aggregation"
-    )
-    ablations.add_argument("--no-overlong", action="store_true", help="no soft overlong penalty")
-    ablations.add_argument(
-        "--overlong-filter", action="store_true", help="also mask the loss of truncated answers"
-    )
+    for key, label in TECHNIQUES.items():
+        flag = "--no-" + key.replace("_", "-")
+        techniques.add_argument(flag, action="store_true", help=f"DAPO without {label}")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--update-docs",
+        action="store_true",
+        help="also rewrite the demo blocks of README.md and docs/demo.md from OUT/runs.csv",
+    )
+    p.add_argument(
+        "--render-only",
+        action="store_true",
+        help="train nothing: re-render table.md, curves.png (and with --update-docs the "
+        "docs) from the CSV files in OUT",
+    )
     a = p.parse_args(argv)
-    return dataclasses.replace(
-        default,
-        steps=a.steps,
-        seed=a.seed,
+    off = {key for key in TECHNIQUES if getattr(a, "no_" + key)}
+    if a.ablation and off:
+        p.error("--no-* flags choose the DAPO run of the comparison; --ablation runs them all")
+    dapo = DAPO_ROW
+    if off:
+        name = "dapo_no_" + "_no_".join(sorted(off))
+        label = "DAPO - " + ", ".join(TECHNIQUES[k] for k in sorted(off))
+        dapo = Row(name, label, DAPO_ROW.techniques - off)
+    return Command(
+        rows=tuple(ablation_rows()) if a.ablation else (dapo, GRPO_ROW),
+        seeds=tuple(range(a.seed, a.seed + a.seeds)),
+        config=dataclasses.replace(config, sample_budget=a.budget),
+        target=a.target,
+        workers=a.workers,
         out=a.out,
-        group_size=a.group_size,
-        budget=a.budget,
-        methods=("dapo", "grpo") if a.method == "both" else (a.method,),
-        dapo=dapo_preset(
-            clip_higher=not a.no_clip_higher,
-            dynamic_sampling=not a.no_dynamic_sampling,
-            token_level=not a.no_token_level,
-            overlong=not a.no_overlong,
-            overlong_filtering=a.overlong_filter,
-        ),
-        progress=not a.quiet,
         plot=not a.no_plot,
+        progress=not a.quiet,
+        update_docs=a.update_docs,
+        render_only=a.render_only,
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    cfg = parse_args(argv)
+    cmd = parse_args(argv)
     start = time.perf_counter()
-    runs = train_all(cfg)
-    written = write_outputs(cfg, runs)
-    for name, logs in runs.items():
-        first, last = summarize(logs)
-        print(
-            f"{name}: {len(logs)} steps, {logs[-1].samples} answers generated; accuracy "
-            f"{first:.2f} -> {last:.2f}, length {logs[0].mean_response_length:.1f} -> "
-            f"{logs[-1].mean_response_length:.1f}, entropy {logs[0].entropy:.2f} -> "
-            f"{logs[-1].entropy:.2f}"
-        )
+    if cmd.render_only:
+        written = docs.render_outputs(cmd.out, cmd.plot)
+    else:
+        written = write_outputs(cmd, train_all(cmd))
+    if cmd.update_docs:
+        written += docs.update_docs(cmd.out)
+    print(docs.summary(cmd.out))
     print(f"wrote {', '.join(map(str, written))} in {time.perf_counter() - start:.0f} s")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,139 +1,199 @@
-"""Progress bar, CSV and figure of the demo (tqdm and matplotlib are optional)."""
+"""The demo's results as files: per-run summaries, curves over seeds, the markdown table.
+
+Everything published is rendered from the CSV files (never from the runs in memory), so
+the committed numbers and what a reader re-renders from them cannot differ.
+"""
 
 from __future__ import annotations
 
 import csv
 import dataclasses
-import itertools
-import sys
-from collections.abc import Sequence
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from dapo_ops.demo.task import Task
-from dapo_ops.demo.trainer import CSV_COLUMNS, DemoConfig, StepLog
+from dapo_ops.demo.trainer import RunResult, StepLog
 
-
-class Progress:
-    """A tqdm bar when tqdm is installed, else a carriage-return text line on stderr."""
-
-    def __init__(self, name: str, cfg: DemoConfig, enabled: bool = True) -> None:
-        self.name, self.enabled = name, enabled
-        self.by_samples = cfg.budget == "samples"
-        self.total = cfg.sample_budget if self.by_samples else cfg.steps
-        self.done = 0
-        self.bar: Any = None
-        if enabled:
-            try:
-                from tqdm import tqdm
-            except ImportError:
-                pass
-            else:
-                unit = "answer" if self.by_samples else "step"
-                self.bar = tqdm(total=self.total, desc=name, unit=unit, dynamic_ncols=True)
-
-    def __call__(self, log: StepLog) -> None:
-        if not self.enabled:
-            return
-        done = log.samples if self.by_samples else log.step
-        status = f"acc {log.accuracy:.2f}, len {log.mean_response_length:.1f}"
-        if self.bar is not None:
-            self.bar.update(done - self.done)
-            self.bar.set_postfix_str(status, refresh=False)
-        else:
-            sys.stderr.write(f"\r{self.name}: {done}/{self.total} {status}   ")
-            sys.stderr.flush()
-        self.done = done
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        elif self.enabled:
-            sys.stderr.write("\n")
+Table = list[dict[str, str]]
 
 
-def write_csv(path: Path, logs: Sequence[StepLog]) -> None:
+@dataclass(frozen=True)
+class Metric:
+    """One summary column: its CSV key, table header and display scale / precision."""
+
+    key: str
+    header: str
+    scale: float = 1.0
+    digits: int = 2
+
+
+#: Per-run summary columns of ``runs.csv`` and the ablation table, in table order.
+METRICS = (
+    Metric("final_accuracy", "final accuracy"),
+    Metric("steps_to_target", "steps to target", digits=0),
+    Metric("samples_to_target", "answers to target (k)", scale=1e-3, digits=1),
+    Metric("final_entropy", "final entropy (nats)"),
+    Metric("entropy_mean", "mean entropy (nats)"),
+    Metric("final_length", "final length (tokens)", digits=1),
+    Metric("final_truncated", "final truncated %", scale=100, digits=1),
+    Metric("clip_frac_low", "clip low %", scale=100, digits=1),
+    Metric("clip_frac_high", "clip high %", scale=100, digits=1),
+    Metric("kept_group_fraction", "kept groups %", scale=100, digits=0),
+)
+#: Per-step curves of ``curves.csv`` and the figure (mean and std over seeds).
+CURVES = (
+    "accuracy",
+    "entropy",
+    "response_length",
+    "truncated_fraction",
+    "clip_frac_low",
+    "clip_frac_high",
+    "kept_group_fraction",
+)
+STEP_COLUMNS = tuple(f.name for f in dataclasses.fields(StepLog))
+
+
+def summarize(result: RunResult, target: float) -> dict[str, float | None]:
+    """The summary metrics of one run (``None``: target accuracy never reached)."""
+    logs, final = result.logs, result.final
+    hit = next((log for log in logs if log.accuracy >= target), None)
+
+    def mean(key: str) -> float:
+        return statistics.fmean(getattr(log, key) for log in logs)
+
+    return {
+        "final_accuracy": final.accuracy,
+        "steps_to_target": None if hit is None else float(hit.step),
+        "samples_to_target": None if hit is None else float(hit.samples),
+        "final_entropy": final.entropy,
+        "entropy_mean": mean("entropy"),
+        "final_length": final.response_length,
+        "final_truncated": final.truncated_fraction,
+        "clip_frac_low": mean("clip_frac_low"),
+        "clip_frac_high": mean("clip_frac_high"),
+        "kept_group_fraction": mean("kept_group_fraction"),
+        "steps": float(len(logs)),
+    }
+
+
+def fmt(value: float | int | str | None) -> str:
+    """CSV text: 6 significant digits for floats (the reproducibility precision)."""
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def write_table(path: Path, columns: Sequence[str], rows: Iterable[Mapping[str, object]]) -> None:
     with path.open("w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(CSV_COLUMNS)
-        for log in logs:
-            row = dataclasses.astuple(log)
-            writer.writerow(f"{v:.6g}" if isinstance(v, float) else v for v in row)
+        writer = csv.writer(f, lineterminator="\n")
+        writer.writerow(columns)
+        for row in rows:
+            writer.writerow(fmt(row[c]) for c in columns)  # type: ignore[arg-type]
 
 
-def smooth(values: Sequence[float], window: int) -> list[float]:
-    """Trailing moving average: the raw curves of a tiny RL run are noisy."""
-    out: list[float] = []
-    for i in range(len(values)):
-        chunk = values[max(0, i - window + 1) : i + 1]
-        out.append(sum(chunk) / len(chunk))
+def read_table(path: Path) -> Table:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def run_rows(
+    rows: Sequence[tuple[str, str, int]], results: Sequence[RunResult], target: float, budget: int
+) -> list[dict[str, object]]:
+    """``runs.csv``: one line per ``(row name, label, seed)`` and its run."""
+    return [
+        {"row": name, "label": label, "seed": seed, "target": target, "budget": budget}
+        | summarize(result, target)
+        for (name, label, seed), result in zip(rows, results, strict=True)
+    ]
+
+
+RUN_COLUMNS = ("row", "label", "seed", "target", "budget", "steps", *(m.key for m in METRICS))
+
+
+def curve_rows(
+    names: Sequence[str], results: Sequence[RunResult], budget: int, points: int = 48
+) -> list[dict[str, object]]:
+    """``curves.csv``: each row's metrics on a grid of generated answers, over seeds.
+
+    A run's value at ``x`` answers is its last step's log at or before ``x`` (runs with
+    dynamic sampling take uneven steps); mean and sample std over the seeds.
+    """
+    out: list[dict[str, object]] = []
+    for name in dict.fromkeys(names):
+        runs = [r.logs for n, r in zip(names, results, strict=True) if n == name]
+        for k in range(1, points + 1):
+            x = budget * k // points
+            row: dict[str, object] = {"row": name, "samples": x}
+            for key in CURVES:
+                values = [_at(logs, x, key) for logs in runs]
+                present = [v for v in values if v is not None]
+                row[f"{key}_mean"] = statistics.fmean(present) if present else None
+                row[f"{key}_std"] = _std(present) if present else None
+            out.append(row)
     return out
 
 
-def plot(path: Path, runs: dict[str, list[StepLog]], task: Task, by_samples: bool = False) -> bool:
-    """The comparison figure; returns False (and writes nothing) without matplotlib."""
-    try:
-        import matplotlib
+CURVE_COLUMNS = ("row", "samples", *(f"{k}_{s}" for k in CURVES for s in ("mean", "std")))
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    panels = [
-        ("accuracy", "accuracy (sampled answers)"),
-        ("mean_response_length", "mean response length (tokens)"),
-        ("entropy", "policy entropy (nats / token)"),
-        ("clip_frac", "clip fraction: high (solid), low (dashed)"),
-        ("kept_group_fraction", "groups with accuracy spread"),
-        ("answers", "answers generated per step"),
+
+def _at(logs: Sequence[StepLog], samples: int, key: str) -> float | None:
+    before = [log for log in logs if log.samples <= samples]
+    return float(getattr(before[-1], key)) if before else None
+
+
+def _std(values: Sequence[float]) -> float:
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+# ----------------------------------------------------------------------------- rendering
+def cell(values: Sequence[str], metric: Metric) -> str:
+    """``mean ± std`` over seeds of one CSV column (the value alone for one seed);
+    ``(k/n)`` when only k of n seeds have one (e.g. reached the target)."""
+    present = [float(v) * metric.scale for v in values if v != ""]
+    if not present:
+        return "never"
+    mean = statistics.fmean(present)
+    text = f"{mean:.{metric.digits}f}"
+    if len(values) > 1:
+        text += f" ± {_std(present):.{metric.digits}f}"
+    if len(present) < len(values):
+        text += f" ({len(present)}/{len(values)})"
+    return text
+
+
+def render_table(
+    runs: Table,
+    rows: Sequence[tuple[str, str]],
+    target: float,
+    metrics: Sequence[Metric] = METRICS,
+) -> str:
+    """The markdown table: one line per ``(label, csv row name)``, mean ± std over seeds.
+
+    A label whose name starts with ``"--"`` is a section line (e.g. the leave-one-out rows).
+    """
+    seeds = sorted({int(r["seed"]) for r in runs})
+    headers = [m.header.replace("target", f"{target:g}") for m in metrics]
+    lines = [
+        "| " + " | ".join(["row", *headers]) + " |",
+        "|---" * (len(metrics) + 1) + "|",
     ]
-    colors = {"dapo": "tab:red", "grpo": "tab:blue"}
-    fig, axes = plt.subplots(2, 3, figsize=(14, 7.5), sharex=True)
-    for ax, (key, title) in zip(axes.flat, panels, strict=True):
-        for name, logs in runs.items():
-            x = [log.samples / 1000 if by_samples else log.step for log in logs]
-            color = colors.get(name)
-            window = max(1, len(logs) // 25)
-            if key == "clip_frac":
-                high = smooth([log.clip_frac_high for log in logs], window)
-                low = smooth([log.clip_frac_low for log in logs], window)
-                ax.plot(x, high, color=color, label=name)
-                ax.plot(x, low, color=color, ls="--")
-                continue
-            if key == "answers":
-                cumulative = [0] + [log.samples for log in logs]
-                y = [float(b - a) for a, b in itertools.pairwise(cumulative)]
-                ax.set_yscale("log")
-            else:
-                y = [float(getattr(log, key)) for log in logs]
-            ax.plot(x, y, color=color, alpha=0.25, lw=0.8)
-            ax.plot(x, smooth(y, window), color=color, label=name)
-        if key == "mean_response_length":
-            expected = task.max_len - task.cache_len
-            ax.axhline(expected, color="gray", ls=":", lw=1)
-            ax.annotate(
-                "overlong penalty starts",
-                (0.02, expected),
-                xycoords=("axes fraction", "data"),
-                xytext=(0, 3),
-                textcoords="offset points",
-                fontsize=8,
-                color="gray",
-            )
-        ax.set_title(title, fontsize=10)
-        ax.grid(alpha=0.3)
-    for ax in axes[1]:
-        ax.set_xlabel("generated answers (thousands)" if by_samples else "training step")
-    axes[0, 0].legend()
-    same = "number of generated answers" if by_samples else "batch shape and steps"
-    fig.suptitle(f"DAPO vs GRPO on a digit-sum task (same seed, same {same})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
-def summarize(logs: Sequence[StepLog], k: int = 10) -> tuple[float, float]:
-    """Mean accuracy over the first and over the last ``k`` steps."""
-    first, last = logs[:k], logs[-k:]
-    return sum(x.accuracy for x in first) / len(first), sum(x.accuracy for x in last) / len(last)
+    for label, name in rows:
+        if name.startswith("--"):
+            lines.append(f"| *{label}* |" + " |" * len(metrics))
+            continue
+        mine = [r for r in runs if r["row"] == name]
+        cells = [cell([r[m.key] for r in mine], m) for m in metrics]
+        lines.append("| " + " | ".join([label, *cells]) + " |")
+    n = len(seeds)
+    lines.append("")
+    if n == 1:
+        lines.append(f"Seed {seeds[0]}; *never*: the target accuracy was not reached.")
+    else:
+        lines.append(
+            f"Mean ± std over {n} seeds ({seeds[0]}-{seeds[-1]}); *(k/{n})*: only k seeds "
+            "reached the target accuracy (mean and std over those)."
+        )
+    return "\n".join(lines) + "\n"

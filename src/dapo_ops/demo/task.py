@@ -1,24 +1,60 @@
-"""The toy task, the policy and the sampler of the demo."""
+"""The toy task of the demo: a digit-sum prompt, a verifier, and the base model's style."""
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from dapo_ops.demo.model import Rollout
 
 
 @dataclass(frozen=True)
 class Task:
-    """Digit sum: prompt ``T``; answer: digits ``0..max_digit`` summing to ``T``, then EOS."""
+    """Digit sum: prompt ``T``; answer: digits ``0..max_digit`` summing to ``T``, then EOS.
+
+    Built so that each DAPO technique has something to act on (``docs/demo.md``):
+
+    - **lengths vary, long answers go wrong and degenerate**: a ``0`` lengthens an answer
+      without changing its sum (the toy's rambling), and the base model repeats it once
+      started (``base_filler_repeat``: a loop of zeros runs into the cap);
+    - **a cap with a noisy reward**: generation stops at ``max_len`` tokens (EOS
+      included). A truncated answer has no final answer; the verifier passes it with
+      probability ``truncated_pass_rate`` whatever it holds (the reward noise of truncated
+      samples that overlong filtering and the soft penalty address). The true accuracy
+      (:meth:`verify`, what the evaluation reports) counts it wrong;
+    - **correct but unlikely tokens**: the base model writes mostly ``1`` and ``2``;
+      the large targets fit under the cap only with many ``3``, which the base model
+      emits with probability ``base_digit_probs[3]``;
+    - **groups without spread**: the base model solves small targets nearly always and
+      large ones nearly never.
+
+    Every target fits in ``max_len - cache_len`` tokens when written with ``3`` s, so a
+    correct answer never has to pay the soft overlong penalty.
+    """
 
     max_digit: int = 3
-    min_target: int = 6
+    min_target: int = 4
     max_target: int = 18
-    max_len: int = 14  # generation cap, EOS included
-    cache_len: int = 6  # soft overlong penalty beyond max_len - cache_len = 8 tokens
+    max_len: int = 9  # generation cap, EOS included
+    cache_len: int = 2  # soft overlong penalty beyond max_len - cache_len tokens
+    truncated_pass_rate: float = 0.25
+    #: Base model's digit distribution (filler 0, then 1, 2, 3) in its training answers.
+    base_digit_probs: tuple[float, ...] = (0.05, 0.78, 0.16, 0.01)
+    #: After a 0, the base style writes another 0 with this probability (a loop).
+    base_filler_repeat: float = 0.6
+    #: A digit larger than what is left is written anyway (overshoot) with this probability.
+    base_overshoot: float = 0.3
+
+    def __post_init__(self) -> None:
+        if len(self.base_digit_probs) != self.max_digit + 1:
+            raise ValueError("base_digit_probs needs one probability per digit 0..max_digit")
+        shortest = -(-self.max_target // self.max_digit) + 1  # ceil(T / max_digit) + EOS
+        if shortest > self.max_len - self.cache_len:
+            raise ValueError("the largest target must fit before the overlong penalty starts")
 
     @property
     def eos(self) -> int:
@@ -34,6 +70,11 @@ class Task:
         """The action tokens, then one prompt token per target."""
         return self.num_actions + self.max_target + 1
 
+    @property
+    def targets(self) -> Tensor:
+        """Every prompt, in order (the evaluation set)."""
+        return torch.arange(self.min_target, self.max_target + 1)
+
     def prompt_tokens(self, targets: Tensor) -> Tensor:
         return targets + self.num_actions
 
@@ -41,102 +82,43 @@ class Task:
         return torch.randint(self.min_target, self.max_target + 1, (n,), generator=generator)
 
     def verify(self, rollout: Rollout) -> Tensor:
-        """0/1 accuracy ``[batch]``: ended with EOS, has a digit, digits sum to the target."""
+        """True 0/1 accuracy ``[batch]``: ended with EOS, has a digit, digits sum to ``T``."""
         is_digit = rollout.mask & (rollout.tokens != self.eos)
         digit_sum = torch.where(is_digit, rollout.tokens, 0).sum(dim=-1)
         correct = rollout.finished & is_digit.any(dim=-1) & (digit_sum == rollout.targets)
         return correct.float()
 
+    def score(self, rollout: Rollout, generator: torch.Generator) -> Tensor:
+        """The verifier's 0/1 reward ``[batch]``: what the trainer sees.
 
-# ---------------------------------------------------------------------------- the policy
-class TinyPolicy(nn.Module):
-    """A one-layer GRU language model over answer tokens, conditioned on the prompt.
+        :meth:`verify` for finished answers; a coin flip (``truncated_pass_rate``) for a
+        truncated one, which has no final answer to check.
+        """
+        coin = torch.rand(rollout.targets.shape, generator=generator) < self.truncated_pass_rate
+        return torch.where(rollout.finished, self.verify(rollout), coin.float())
 
-    The prompt token's embedding is added to every input (a stand-in for a decoder
-    attending to its prompt); the head scores the digits and EOS.
-    """
+    def base_answers(self, targets: Tensor, generator: torch.Generator) -> Tensor:
+        """Answers in the base model's style ``[n, max_len]``, EOS-padded, cut at the cap.
 
-    def __init__(self, task: Task, hidden: int) -> None:
-        super().__init__()
-        self.task = task
-        self.embed = nn.Embedding(task.vocab_size, hidden)
-        self.rnn = nn.GRU(hidden, hidden, batch_first=True)
-        self.head = nn.Linear(hidden, task.num_actions)
-
-    def forward(
-        self, targets: Tensor, inputs: Tensor, state: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """``targets [batch]``, ``inputs [batch, seq]`` -> logits ``[batch, seq, actions]``."""
-        prompt = self.embed(self.task.prompt_tokens(targets))
-        out, state = self.rnn(self.embed(inputs) + prompt[:, None], state)
-        return self.head(out), state
-
-
-@dataclass(frozen=True)
-class Rollout:
-    """``G`` answers to each of ``groups`` prompts, flattened group-major to ``groups * G``."""
-
-    targets: Tensor  # [n] the prompt of each answer
-    tokens: Tensor  # [n, max_len] answer tokens (EOS repeated after the end)
-    mask: Tensor  # [n, max_len] bool: answer tokens, EOS included
-    old_logp: Tensor  # [n, max_len] log-prob of each token under the sampling policy
-    finished: Tensor  # [n] bool: emitted EOS within the cap (else truncated)
-    entropy: Tensor  # [n, max_len] entropy of the sampling distribution at each token
-
-    @property
-    def lengths(self) -> Tensor:
-        return self.mask.sum(dim=-1)
-
-    def __getitem__(self, rows: Tensor) -> Rollout:
-        return Rollout(*(field[rows] for field in dataclasses.astuple(self)))
-
-    @staticmethod
-    def cat(parts: Sequence[Rollout]) -> Rollout:
-        return Rollout(
-            *(torch.cat(fields) for fields in zip(*map(dataclasses.astuple, parts), strict=True))
-        )
-
-
-def entropy_of(logits: Tensor) -> Tensor:
-    """Entropy (nats) of ``softmax(logits)`` along the last dimension."""
-    logp = torch.log_softmax(logits, dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)
-
-
-@torch.no_grad()
-def generate(
-    policy: TinyPolicy, targets: Tensor, group_size: int, temperature: float, gen: torch.Generator
-) -> Rollout:
-    """Sample ``group_size`` answers per target token by token; keep the sampler's log-probs."""
-    task = policy.task
-    targets = targets.repeat_interleave(group_size)
-    n, cap = targets.shape[0], task.max_len
-    tokens = torch.full((n, cap), task.eos)
-    old_logp = torch.zeros(n, cap)
-    entropy = torch.zeros(n, cap)
-    mask = torch.zeros(n, cap, dtype=torch.bool)
-    alive = torch.ones(n, dtype=torch.bool)
-    inputs, state = torch.full((n, 1), task.eos), None  # EOS doubles as BOS
-    for t in range(cap):
-        logits, state = policy(targets, inputs, state)
-        logits = logits[:, -1] / temperature
-        token = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen)[:, 0]
-        token = torch.where(alive, token, task.eos)
-        tokens[:, t], mask[:, t] = token, alive
-        old_logp[:, t] = torch.log_softmax(logits, dim=-1).gather(-1, token[:, None])[:, 0]
-        entropy[:, t] = entropy_of(logits)
-        alive = alive & (token != task.eos)
-        inputs = token[:, None]
-    return Rollout(targets, tokens, mask, old_logp, ~alive, entropy)
-
-
-def answer_logp(policy: TinyPolicy, batch: Rollout, temperature: float) -> Tensor:
-    """Log-probs ``[batch, max_len]`` of the answer tokens under the current policy.
-
-    The training forward pass divides the logits by the same temperature as the sampler,
-    so that ``old_logp`` and ``logp`` are log-probs of one and the same distribution.
-    """
-    bos = torch.full_like(batch.tokens[:, :1], policy.task.eos)
-    logits, _ = policy(batch.targets, torch.cat([bos, batch.tokens[:, :-1]], dim=1))
-    logp = torch.log_softmax(logits / temperature, dim=-1)
-    return logp.gather(-1, batch.tokens[..., None])[..., 0]
+        Digits are drawn from ``base_digit_probs`` (after a ``0``, another ``0`` with
+        probability ``base_filler_repeat``); a digit larger than what is left to reach the
+        target is lowered to land on it exactly, then EOS. Long answers (large targets,
+        loops of zeros) run past the cap and are cut: the base model learns to ramble into
+        truncation on them.
+        """
+        n = targets.shape[0]
+        probs = torch.tensor(self.base_digit_probs).expand(n, -1)
+        out = torch.full((n, self.max_len), self.eos)
+        remaining = targets.clone()
+        previous = torch.full((n,), self.eos)
+        for t in range(self.max_len):
+            done = remaining == 0
+            draw = torch.multinomial(probs, 1, generator=generator)[:, 0]
+            repeat = torch.rand(n, generator=generator) < self.base_filler_repeat
+            draw = torch.where((previous == 0) & repeat, 0, draw)
+            over = torch.rand(n, generator=generator) < self.base_overshoot
+            digit = torch.where(over, draw, torch.minimum(draw, remaining))
+            out[:, t] = torch.where(done, self.eos, digit)
+            remaining = torch.where(done, remaining, (remaining - digit).clamp(min=0))
+            previous = out[:, t]
+        return out
