@@ -67,10 +67,9 @@ def render_outputs(out: Path, plot_figure: bool = True) -> list[Path]:
         seeds = len({r["seed"] for r in runs})
         lines = layout(runs)
         groups = _figure_groups(lines)
-        title = (
-            f"Ablation on the digit-sum task: mean over {seeds} seed(s), ±std shaded, "
-            f"{budget:,} generated answers per run"
-        )
+        what = "The DAPO ablation" if lines[0][1] == "--" else "DAPO vs GRPO"
+        over = f"mean over {seeds} seeds, ±std shaded" if seeds > 1 else f"seed {runs[0]['seed']}"
+        title = f"{what} on the digit-sum task: {over}, {budget:,} generated answers per run"
         source = source_digest([runs_csv, curves_csv])
         png = out / "curves.png"
         if plot(png, read_table(curves_csv), groups, title, source):
