@@ -15,6 +15,7 @@ from dapo_ops._validate import InputError
 from dapo_ops.advantages import group_advantages
 from dapo_ops.aggregation import PartialLoss, aggregate_partial, token_level_aggregate
 from dapo_ops.cispo import cispo_surrogate
+from dapo_ops.compiled_loss import CompiledPolicyLoss
 from dapo_ops.cov_masks import clip_cov_mask, kl_cov_mask
 from dapo_ops.diagnostics import (
     BatchDiagnostics,
@@ -87,6 +88,7 @@ __all__ = [
     "VESPO",
     "BatchDiagnostics",
     "ClipHigher",
+    "CompiledPolicyLoss",
     "EntropyCoef",
     "InputError",
     "KLPenalty",

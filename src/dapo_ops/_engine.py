@@ -21,7 +21,8 @@ runs:
 - otherwise, and while traced by ``torch.compile`` around the caller: the generic body
   :func:`generic_terms` (``where``-based, exact whatever masked positions hold);
 - ``compiled=True``: the loss scale and :func:`generic_terms` as one ``torch.compile``
-  graph (:mod:`dapo_ops._compiled_graph`).
+  graph (:mod:`dapo_ops._compiled`), or ahead of time per input signature
+  (:class:`dapo_ops.CompiledPolicyLoss`).
 
 Objectives without an analytic ``grad`` compose the reference :func:`reference_terms`
 under autograd instead. Double backward (``create_graph=True``) differentiates the
@@ -65,7 +66,7 @@ class LossInputs(NamedTuple):
     logp: Tensor
     old_logp: Tensor
     adv: Tensor  # [batch, 1] or [batch, seq]
-    valid: Tensor  # bool (a uint8 view inside the compiled graph)
+    valid: Tensor  # bool
     ref_logp: Tensor | None = None
     is_weights: Tensor | None = None
     kl_weights: Tensor | None = None
@@ -196,8 +197,6 @@ def generic_terms(
     """Row sums ``[b]`` of the masked per-token loss and ``d(sum_i w_i rowsum_i)/d logp``."""
     objective, kl = spec.objective, spec.kl
     dtype = scale.dtype
-    if valid.dtype != torch.bool:  # a uint8 view (see dapo_ops._compiled_graph)
-        valid = valid.to(dtype) != 0
     x = token_inputs(objective, logp, old_logp, adv, valid, dtype, reference=False)
     value = objective.term(x)
     weight = scale
