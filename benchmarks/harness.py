@@ -66,6 +66,7 @@ class Case:
     warm_inputs: Callable[[], Any] | None = None  # small inputs for the memory child's warm-up
     repeats: int | None = None  # fixed repeat count (large cases)
     budget_gib: float | None = None  # address-space cap: a method that does not fit fails
+    limit_bytes: int = 0  # a memory budget a target of the suite reads (0: none)
     elems: int = 0  # tokens or samples, for plots
 
 

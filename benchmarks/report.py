@@ -28,6 +28,7 @@ CASE_FIELDS = (
     "main_ref",
     "unit",
     "back_to_back",
+    "limit_bytes",
 )
 
 

