@@ -80,6 +80,12 @@ class Chunks:
     nbuf: Tensor  # [chunk, vocab], input dtype (narrow only)
     scratch: Tensor | None = None
 
+    def release(self) -> None:
+        """Drop the buffers (before the gradients are rounded to the input dtype, so the
+        two never coexist)."""
+        self.buf = self.nbuf = self.buf.new_empty(0, 0)
+        self.scratch = None
+
     def spans(self) -> list[tuple[int, int]]:
         return [(s, min(s + self.chunk, self.rows)) for s in range(0, self.rows, self.chunk)]
 
@@ -194,6 +200,8 @@ class Grads:
     b: Tensor | None
     parts: list[Tensor]  # compiled: the chunks' hidden gradients, concatenated at the end
     started: bool = False
+    wbuf: Tensor | None = None  # narrow weight gradients: one block's product
+    wbuf32: Tensor | None = None  # and the same upcast
 
     def add(self, g: Tensor, h: Tensor, start: int, stop: int) -> None:
         """Add one chunk's share: ``g`` its gradient w.r.t. the logits in the dtype of
@@ -225,14 +233,26 @@ class Grads:
             else:
                 self.w.addmm_(g.T, h)
         else:  # G.T @ h in the input dtype, a block of vocabulary rows at a time
-            assert self.w is not None
-            for s in range(0, self.w.shape[0], WEIGHT_BLOCK_ROWS):
-                prod = g[:, s : s + WEIGHT_BLOCK_ROWS].T @ h
-                block = self.w[s : s + WEIGHT_BLOCK_ROWS]
-                if first:
-                    block.copy_(prod)
-                else:
-                    block.add_(prod)
+            self._add_narrow_weight(g, h, first)
+
+    def _add_narrow_weight(self, g: Tensor, h: Tensor, first: bool) -> None:
+        """``w += G.T @ h`` for bfloat16/float16 ``G``, ``h``: the product of each block of
+        vocabulary rows formed in the input dtype into one reused buffer, upcast into
+        another (mixed-dtype ``add_`` would allocate a temporary per call) and added."""
+        assert self.w is not None
+        rows = min(WEIGHT_BLOCK_ROWS, self.w.shape[0])
+        if self.wbuf is None:
+            self.wbuf = h.new_empty(rows, h.shape[1])
+            self.wbuf32 = self.w.new_empty(rows, h.shape[1])
+        assert self.wbuf32 is not None
+        for s in range(0, self.w.shape[0], rows):
+            block = self.w[s : s + rows]
+            n = block.shape[0]
+            prod = torch.mm(g[:, s : s + n].T, h, out=self.wbuf[:n])
+            if first:
+                block.copy_(prod)
+            else:
+                block.add_(self.wbuf32[:n].copy_(prod))
 
     def result(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         """The three gradients in the input dtype (None where not needed)."""
@@ -312,16 +332,33 @@ class FusedLinearLogpEntropy(torch.autograd.Function):
             b = None if grad_entropy is None else grad_entropy.to(cdt)
             tok = tokens.unsqueeze(1)
             for s, e in chunks.spans():
-                h = hidden[s:e]
-                lp = chunks.log_softmax(h)
-                if b is not None:
-                    lp = chunks.floor_(lp)
-                g = chunks.grad_(
-                    lp,
-                    tok[s:e],
-                    None if a is None else a[s:e],
-                    None if b is None else b[s:e],
-                    None if b is None else entropy[s:e],
-                )
-                grads.add(g, h, s, e)
+                _backward_chunk(chunks, grads, hidden, tok, a, b, entropy, s, e)
+            chunks.release()
             return (*grads.result(), None, None, None)
+
+
+def _backward_chunk(
+    chunks: Chunks,
+    grads: Grads,
+    hidden: Tensor,
+    tok: Tensor,
+    a: Tensor | None,
+    b: Tensor | None,
+    entropy: Tensor,
+    s: int,
+    e: int,
+) -> None:
+    """One chunk of the backward: its logits again, ``G``, the three gradients' shares (a
+    function of its own, so that no view of the chunk buffer outlives it)."""
+    h = hidden[s:e]
+    lp = chunks.log_softmax(h)
+    if b is not None:
+        lp = chunks.floor_(lp)
+    g = chunks.grad_(
+        lp,
+        tok[s:e],
+        None if a is None else a[s:e],
+        None if b is None else b[s:e],
+        None if b is None else entropy[s:e],
+    )
+    grads.add(g, h, s, e)

@@ -245,6 +245,7 @@ def forward_pass(
     ent = torch.cat(run.entropy) if run.entropy else None
     if ent is None and spec.entropy:  # no token at all
         ent = logp.new_zeros(0)
+    chunks.release()
     gh, gw, gb = (None, None, None) if grads is None else grads.result()
     if need[0] and gh is None:
         gh = torch.zeros_like(flat)
