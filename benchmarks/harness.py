@@ -269,8 +269,9 @@ def run_case(suite: str, case: Case, proto: Protocol, log: Callable[[str], None]
                 if r < repeats[name]:
                     try:
                         results[name].times.append(time_once(fn, device))
-                    except Exception as e:
+                    except Exception as e:  # e.g. an allocation past the address-space cap
                         results[name].error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+                        log(f"    {name}: ERROR in repeat {r}: {results[name].error}")
         if device == "cuda":
             for name, fn in fns.items():
                 results[name].kernels = count_kernels(fn)
