@@ -55,6 +55,10 @@ def check_tokens(
         raise InputError(
             f"tokens must have shape {want} ({ref} without its last dim), got {shape_str(tokens)}"
         )
+    if valid is not None and tokens.device != valid.device:
+        raise InputError(
+            f"tokens is on {tokens.device} but mask is on {valid.device}; move them to one device"
+        )
     if is_compiling() or tokens.numel() == 0:
         return tokens
     ids = tokens if valid is None else torch.where(valid, tokens, 0)

@@ -73,7 +73,8 @@ class LinearDiagnostics(NamedTuple):
     its mean), 0-dim float64 tensors that add across micro-batches and ranks. ``logp``
     and ``entropy``: the per-token log-probs and entropies the loss used, ``[batch,
     seq]`` in float32 (float64 for float64 hidden states), for logging or as the next
-    step's ``old_logp``. No host sync.
+    step's ``old_logp`` (at masked positions: those of a zero hidden row, unused). No
+    host sync.
     """
 
     policy: PolicyDiagnostics
@@ -159,6 +160,8 @@ def _prepare(
             check_no_grad("normalizer", given)
         den = torch.as_tensor(given, dtype=compute_dtype(h, old_logp, adv), device=h.device)
     coef = _coef(o.get("entropy_coef", 0.0))
+    if isinstance(coef, Tensor):
+        check_same_device("entropy_coef", coef, "hidden", h)
     vocab = w.shape[0]
     tok = check_tokens(tokens, h.shape[:2], f"hidden {shape_str(h)}", vocab, valid)
     check_same_device("tokens", tok, "hidden", h)
