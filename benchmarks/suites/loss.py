@@ -26,6 +26,7 @@ DUAL = 3.0  # verl's clip_ratio_c, on for every verl-style and dapo_ops DAPO los
 EAGER = "dapo_ops token_level_loss (default, eager)"
 COMPILED = "dapo_ops token_level_loss(compiled=True)"
 USER_COMPILED = "torch.compile(token_level_loss)"
+AOT = "dapo_ops CompiledPolicyLoss(ClipHigher(dual_clip=3)) (ahead of time)"
 COMPOSITION = "dapo_ops surrogate + aggregate, unfused (the autograd reference)"
 EXP = "yardstick: one torch.exp pass over [B, S] (out=)"
 LOSS = "token_level_loss fwd+bwd"
@@ -84,9 +85,15 @@ def _loss_impls(backward: bool, quick: bool) -> list[Impl]:
 
         return run
 
+    def aot(x: LossInputs) -> Fn:
+        fn = d.CompiledPolicyLoss(d.ClipHigher(dual_clip=DUAL))
+        return wrap(lambda lp: fn(lp, x.old, x.adv, x.mask), x.logp)
+
+    no_aot = None if hasattr(d, "CompiledPolicyLoss") else "not in this dapo_ops"
     impls = [
         Impl(EAGER, "ours", public),
         Impl(COMPILED, "ours", lambda x: public(x, True), compiled=True),
+        Impl(AOT, "ours", aot, compiled=True, missing=no_aot),
     ]
     if not quick:
         impls.append(Impl(USER_COMPILED, "ours", user_compiled, compiled=True))
@@ -141,7 +148,7 @@ def make_cases(quick: bool, device: str) -> list[Case]:
         impls = _loss_impls(True, quick)
         cases.append(case(LOSS, b, s, impls, 13, memory="all", memory_quick=s == 4096))
     for b, s in [(64, 4096)] if quick else [(64, 4096), (512, 8192)]:
-        keep = (EAGER, COMPILED, EXP, VERL_STEP)
+        keep = (EAGER, COMPILED, AOT, EXP, VERL_STEP)
         impls = [i for i in _loss_impls(True, quick) if i.name in keep]
         cases.append(case(BACK_TO_BACK, b, s, impls, 13, back_to_back=True))
     for b, s in shapes[1:] if quick else shapes:
@@ -270,15 +277,12 @@ def targets(results: list[Result], cases: list[Case], bandwidth: float) -> list[
         mem = eager.mem / eager.basis_bytes if eager and eager.mem is not None else None
         out.append(at_most(f"{label}, extra peak memory at {size}", mem, 1.5, "x the inputs"))
     case_of = {(c.op, c.size): c for c in cases}
-    for op in (LOSS, BACK_TO_BACK):
-        r, c = find(results, op, size, COMPILED), case_of.get((op, size))
+    for op, impl in ((o, i) for o in (LOSS, BACK_TO_BACK) for i in (COMPILED, AOT)):
+        r, c = find(results, op, size, impl), case_of.get((op, size))
         if r is not None and c is not None and r.times and bandwidth > 0:
             floor = Result("", "", "", "floor", "unit", times=[c.floor_bytes / bandwidth])
-            out.append(
-                compare(
-                    f"{op} {size}, compiled=True: x the bandwidth floor", r, floor, 2, faster=False
-                )
-            )
+            name = f"{op} {size}, {impl}: x the bandwidth floor"
+            out.append(compare(name, r, floor, 2, faster=False))
     big = case_of.get((LOSS, "512x8192"))
     for r in results:  # figures the issue asks to record at 512x8192 (the GPU table's)
         if big is None or (r.op, r.size) != (LOSS, "512x8192") or r.impl not in (EAGER, COMPILED):
