@@ -13,6 +13,7 @@ No timings here: ``benchmarks/``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Callable
@@ -25,8 +26,9 @@ from _bounds import assert_within, fused_reference, gamma_ref, unit_roundoff
 from torch import Tensor
 
 import dapo_ops as d
-from dapo_ops import _linear_loss, testing
-from dapo_ops._engine import LossSpec, generic_terms, token_inputs
+from dapo_ops import testing
+from dapo_ops.objectives import OBJECTIVES
+from dapo_ops.objectives.base import is_token_local
 
 F64 = torch.float64
 RTOL = testing.F64_RTOL
@@ -346,36 +348,28 @@ def test_masked_positions_change_nothing() -> None:
             assert torch.equal(x, y), value
 
 
-@pytest.mark.parametrize("cls", _linear_loss.TOKEN_LOCAL)
-def test_token_local_objectives_read_only_their_token(cls: type[d.Objective]) -> None:
-    """The objectives chunked by tokens give, on a ``[tokens, 1]`` layout, the very values
-    and gradients of the ``[batch, seq]`` one (bit for bit): nothing reduces over a row."""
-    objective = cls()
-    b = testing.make_batch(
-        objective, 4, 7, seed=3, dtype=torch.float32, spread=0.5, per_token_advantages=True
-    )
-    spec = LossSpec(objective)
-    valid = b.mask
-    scale = d.aggregation.loss_scale(valid, mode="seq_mean_token_mean")
-    adv = b.advantages
-    rows, grad = generic_terms(spec, b.logp, b.old_logp, adv, valid, scale, None, None, True)
-    assert grad is not None
+def test_token_local_declarations() -> None:
+    """Which shipped objectives are chunked by tokens: each declares it in its own class
+    body (a subclass does not inherit it), and each declaration holds (the conformance
+    check compares the token layout with the [batch, seq] one, bit for bit)."""
+    local = {c.__name__ for c in OBJECTIVES if is_token_local(c())}
+    assert local == {
+        "ClipHigher",
+        "CISPO",
+        "SAPO",
+        "DPPO",
+        "DRO",
+        "PolicyGradient",
+        "RatioSurrogate",
+    }
 
-    def col(x: Tensor) -> Tensor:
-        return x.expand(valid.shape).reshape(-1, 1)
+    @dataclasses.dataclass(frozen=True)
+    class Sub(d.ClipHigher):
+        pass
 
-    flat_rows, flat_grad = generic_terms(
-        spec, col(b.logp), col(b.old_logp), col(adv), col(valid), col(scale), None, None, True
-    )
-    assert flat_grad is not None
-    assert torch.equal(flat_grad.view(valid.shape), grad)
-    assert torch.equal(torch.where(valid, flat_rows.view(valid.shape), 0.0).sum(-1), rows)
-    x = token_inputs(objective, b.logp, b.old_logp, adv, valid, torch.float32, reference=False)
-    flat_x = token_inputs(
-        objective, col(b.logp), col(b.old_logp), col(adv), col(valid), torch.float32,
-        reference=False,
-    )  # fmt: skip
-    assert torch.equal(objective.term(flat_x).view(valid.shape), objective.term(x))
+    assert not is_token_local(Sub())
+    for cls in OBJECTIVES:
+        testing.check_token_local(cls())
 
 
 def test_frozen_weight_no_grad_and_the_incoming_gradient() -> None:

@@ -11,8 +11,9 @@ matmuls in all. Backward hands the stored gradients over, scaled by the incoming
 gradient.
 
 Chunks of tokens (the objective sees them as ``[n, 1]``) for objectives whose per-token
-loss reads only its own token (:data:`TOKEN_LOCAL`); every other objective (GSPO, GMPO,
-VESPO, one written by a user) sees whole sequences ``[k, seq]``. A sequence longer than a
+loss reads only its own token (their class declares ``token_local = True``:
+:func:`dapo_ops.objectives.base.is_token_local`); every other objective (GSPO, GMPO, VESPO,
+one written by a user that does not declare it) sees whole sequences ``[k, seq]``. A sequence longer than a
 chunk is walked twice: log-probs first, then, once its objective is known, the logits
 again for the gradient (4 matmuls for those rows).
 """
@@ -31,29 +32,8 @@ from dapo_ops._rules import compute_dtype, masked
 from dapo_ops._softmax_blocks import LOGP_FLOOR
 from dapo_ops._validate import is_compiling
 from dapo_ops.aggregation import loss_scale, scaled_sum
-from dapo_ops.objectives import (
-    CISPO,
-    DPPO,
-    DRO,
-    SAPO,
-    ClipHigher,
-    Objective,
-    PolicyGradient,
-    RatioSurrogate,
-)
-
-#: Objectives whose ``term`` and ``grad`` at a token read only that token's inputs (no
-#: reduction over a row): their chunks may cut a sequence anywhere. Exact classes only (a
-#: subclass may reduce over the row); tests/test_linear_loss.py holds each to it.
-TOKEN_LOCAL: tuple[type[Objective], ...] = (
-    ClipHigher,
-    CISPO,
-    SAPO,
-    DPPO,
-    DRO,
-    PolicyGradient,
-    RatioSurrogate,
-)
+from dapo_ops.objectives import Objective
+from dapo_ops.objectives.base import is_token_local
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,10 +57,6 @@ class LinearInputs(NamedTuple):
     is_weights: Tensor | None
     normalizer: Tensor | None  # 0-dim, compute dtype, or None: the local count
     coef: Tensor | float  # entropy bonus coefficient; 0.0: none
-
-
-def token_local(objective: Objective) -> bool:
-    return type(objective) in TOKEN_LOCAL
 
 
 def _objective_terms(
@@ -227,7 +203,7 @@ def forward_pass(
     dtype = compute_dtype(hidden, t.old_logp, t.adv)
     den = "local" if t.normalizer is None else t.normalizer
     scale = loss_scale(t.valid, mode=spec.loss.mode, normalizer=den, max_len=spec.loss.max_len, dtype=dtype)  # type: ignore[arg-type]  # fmt: skip
-    by_token = token_local(spec.loss.objective)
+    by_token = is_token_local(spec.loss.objective)
     # token chunks; or whole sequences, as many as fit, one sequence in chunks if it does not
     rows = 1 if by_token else max(1, spec.chunk // max(seq, 1))
     chunk = spec.chunk if by_token or seq > spec.chunk else rows * seq

@@ -73,10 +73,17 @@ class Objective:
     token log-ratio before ``exp``.
 
     ``level`` is ``"token"``, or ``"sequence"`` for objectives whose ratio is per
-    sequence (GSPO): those take one advantage per sequence.
+    sequence (GSPO): those take one advantage per sequence. ``token_local = True`` in
+    the class body declares a per-token loss that reads only its own token.
     """
 
     level: ClassVar[Literal["token", "sequence"]] = "token"
+    #: True when :meth:`term` and :meth:`grad` at a token read only that token's inputs
+    #: (no reduction over its row), so :func:`dapo_ops.linear_policy_loss` may cut a
+    #: sequence anywhere between chunks. Only a class that *declares* it counts (see
+    #: :func:`is_token_local`): a subclass that reduces over the row must not inherit it.
+    #: :func:`dapo_ops.testing.check_token_local` holds a declaring class to it.
+    token_local: ClassVar[bool] = False
 
     log_ratio_clamp: float = dataclasses.field(default=LOG_RATIO_CLAMP, kw_only=True)
 
@@ -107,6 +114,11 @@ class Objective:
     def replace(self, **changes: object) -> Objective:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+def is_token_local(objective: Objective) -> bool:
+    """Whether ``type(objective)`` itself declares ``token_local = True`` (not inherited)."""
+    return bool(vars(type(objective)).get("token_local", False))
 
 
 def check_field(objective: object, name: str, ok: bool, expected: str) -> None:

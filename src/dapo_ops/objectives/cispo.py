@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -31,6 +32,8 @@ class CISPO(Objective):
         >>> CISPO()
         CISPO(log_ratio_clamp=20.0, eps_low=1.0, eps_high=0.28)
     """
+
+    token_local: ClassVar[bool] = True  # reads only its own token
 
     eps_low: float = 1.0
     eps_high: float = 0.28

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 import math
 
 import torch
@@ -40,6 +41,8 @@ class ClipHigher(Objective):
         >>> ClipHigher(eps_low=0.2, eps_high=0.2, dual_clip=3.0)  # PPO with dual clip
         ClipHigher(log_ratio_clamp=20.0, eps_low=0.2, eps_high=0.2, dual_clip=3.0)
     """
+
+    token_local: ClassVar[bool] = True  # reads only its own token
 
     eps_low: float = 0.2
     eps_high: float = 0.28

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from torch import Tensor
@@ -41,6 +41,8 @@ class DPPO(Objective):
         >>> DPPO(divergence="kl")
         DPPO(log_ratio_clamp=20.0, divergence='kl', delta_low=0.2, delta_high=0.2, is_cap=20.0)
     """
+
+    token_local: ClassVar[bool] = True  # reads only its own token
 
     divergence: Literal["tv", "kl"] = "tv"
     delta_low: float = 0.2

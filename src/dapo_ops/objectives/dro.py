@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 import math
 
 from torch import Tensor
@@ -29,6 +30,8 @@ class DRO(Objective):
         >>> DRO(beta=0.5)
         DRO(log_ratio_clamp=20.0, beta=0.5)
     """
+
+    token_local: ClassVar[bool] = True  # reads only its own token
 
     beta: float = 1.0
 

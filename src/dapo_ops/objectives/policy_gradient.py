@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 from torch import Tensor
 
@@ -27,6 +28,8 @@ class PolicyGradient(Objective):
         >>> PolicyGradient()
         PolicyGradient(log_ratio_clamp=20.0)
     """
+
+    token_local: ClassVar[bool] = True  # reads only its own token
 
     def term(self, x: TokenInputs) -> Tensor:
         return -x.adv * x.logp

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -31,6 +32,8 @@ class RatioSurrogate(Objective):
         >>> RatioSurrogate()
         RatioSurrogate(log_ratio_clamp=20.0)
     """
+
+    token_local: ClassVar[bool] = True  # reads only its own token
 
     def term(self, x: TokenInputs) -> Tensor:
         return -x.adv * x.ratio

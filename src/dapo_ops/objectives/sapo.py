@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 import math
 
 import torch
@@ -35,6 +36,8 @@ class SAPO(Objective):
         >>> SAPO()
         SAPO(log_ratio_clamp=20.0, tau_pos=1.0, tau_neg=1.05)
     """
+
+    token_local: ClassVar[bool] = True  # reads only its own token
 
     tau_pos: float = 1.0
     tau_neg: float = 1.05
