@@ -555,8 +555,14 @@ def _option_cases() -> Iterator[tuple[str, str, int]]:
 def test_option_out_of_range_raises(fn: str, option: str, i: int) -> None:
     s = SPECS[fn]
     kwargs = build(s)
-    kwargs[option] = s.options[option][i]
+    bad = s.options[option][i]
+    kwargs[option] = bad
     _raises_naming(s, kwargs, option)
+    # and it shows the value given (a NaN as "nan"), not only what was expected
+    with pytest.raises(d.InputError) as info:
+        call(s, kwargs)
+    shown = "nan" if isinstance(bad, float) and math.isnan(bad) else str(bad)
+    assert shown in str(info.value).lower() or repr(bad) in str(info.value), str(info.value)
 
 
 def _empty_cases() -> Iterator[tuple[str, str, int, int]]:

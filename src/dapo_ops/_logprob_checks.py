@@ -22,7 +22,9 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def check_options(temperature: float, chunk_size: int | None) -> None:
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise InputError(f"temperature must be a float > 0, got {type(temperature).__name__}")
+        raise InputError(
+            f"temperature must be a float > 0, got {temperature!r} (a {type(temperature).__name__})"
+        )
     if not (math.isfinite(temperature) and temperature > 0):
         raise InputError(f"temperature must be a finite number > 0, got {temperature}")
     if chunk_size is not None:

@@ -129,6 +129,20 @@ def check_no_grad(name: str, t: Tensor) -> None:
         )
 
 
+def check_scalar(name: str, value: object) -> float | Tensor:
+    """A finite real number (as a float), or a 0-dim floating-point tensor that does not
+    require grad (a coefficient that may change every step without a host sync)."""
+    if isinstance(value, Tensor):
+        check_float(name, value)
+        if value.ndim != 0:
+            raise InputError(
+                f"{name} must be a number or a 0-dim tensor, got shape {list(value.shape)}"
+            )
+        check_no_grad(name, value)
+        return value
+    return check_real(name, value)
+
+
 def check_real(name: str, value: object) -> float:
     """A finite real option (a Python or NumPy int or float, not a bool); as a float."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):

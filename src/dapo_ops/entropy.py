@@ -18,23 +18,10 @@ from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
 from dapo_ops._rules import AggregationMode, Normalizer, compute_dtype
-from dapo_ops._validate import InputError, check_float, check_no_grad, check_real
+from dapo_ops._validate import InputError, check_float, check_real, check_scalar
 from dapo_ops.aggregation import token_level_aggregate
 
 __all__ = ["EntropyCoef", "adaptive_entropy_coef", "entropy_bonus"]
-
-
-def _check_scalar(name: str, value: object) -> float | Tensor:
-    """A finite real number, or a 0-dim floating-point tensor that does not require grad."""
-    if isinstance(value, Tensor):
-        check_float(name, value)
-        if value.ndim != 0:
-            raise InputError(
-                f"{name} must be a number or a 0-dim tensor, got shape {list(value.shape)}"
-            )
-        check_no_grad(name, value)
-        return value
-    return check_real(name, value)
 
 
 def entropy_bonus(
@@ -87,7 +74,7 @@ def entropy_bonus(
         tensor(-0.0100)
     """
     check_float("entropy", entropy)
-    c = _check_scalar("coef", coef)
+    c = check_scalar("coef", coef)
     total = token_level_aggregate(entropy, mask, mode=mode, normalizer=normalizer, max_len=max_len)
     if isinstance(c, Tensor):
         dtype = compute_dtype(entropy, c)
@@ -98,7 +85,7 @@ def entropy_bonus(
 def _check_entropy(value: object) -> float | Tensor:
     """A real number that is not NaN (+-inf allowed: "no measurement yet"), or a 0-dim tensor."""
     if isinstance(value, Tensor):
-        return _check_scalar("entropy", value)
+        return check_scalar("entropy", value)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise InputError(f"entropy must be a real number or a 0-dim tensor, got {value!r}")
     if math.isnan(value):
@@ -152,7 +139,7 @@ def adaptive_entropy_coef(
         >>> adaptive_entropy_coef(0.01, 0.35, target=0.2, delta=0.005)
         EntropyCoef(coef=0.005, applied=0.0)
     """
-    c = _check_scalar("coef", coef)
+    c = check_scalar("coef", coef)
     e = _check_entropy(entropy)
     t = check_real("target", target)
     d = check_real("delta", delta)

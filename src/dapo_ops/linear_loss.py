@@ -12,7 +12,6 @@ are in ``docs/linear_loss.md``.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, TypedDict
 
 import torch
@@ -32,6 +31,7 @@ from dapo_ops._validate import (
     check_option,
     check_same_device,
     check_same_shape,
+    check_scalar,
     shape_str,
 )
 from dapo_ops.aggregation import check_max_len, check_normalizer
@@ -80,23 +80,6 @@ class LinearDiagnostics(NamedTuple):
     policy: PolicyDiagnostics
     logp: Float[Tensor, "batch seq"]
     entropy: Float[Tensor, "batch seq"]
-
-
-def _coef(value: object) -> float | Tensor:
-    """A finite real number, or a 0-dim floating-point tensor that does not require grad."""
-    if isinstance(value, Tensor):
-        check_float("entropy_coef", value)
-        if value.ndim != 0:
-            raise InputError(
-                f"entropy_coef must be a number or a 0-dim tensor, got {shape_str(value)}"
-            )
-        check_no_grad("entropy_coef", value)
-        return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InputError(f"entropy_coef must be a real number, got {type(value).__name__}")
-    if not math.isfinite(value):
-        raise InputError(f"entropy_coef must be finite, got {value}")
-    return float(value)
 
 
 def _prepare(
@@ -159,7 +142,7 @@ def _prepare(
         if isinstance(given, Tensor):
             check_no_grad("normalizer", given)
         den = torch.as_tensor(given, dtype=compute_dtype(h, old_logp, adv), device=h.device)
-    coef = _coef(o.get("entropy_coef", 0.0))
+    coef = check_scalar("entropy_coef", o.get("entropy_coef", 0.0))
     if isinstance(coef, Tensor):
         check_same_device("entropy_coef", coef, "hidden", h)
     vocab = w.shape[0]
