@@ -199,7 +199,7 @@ def _compile(spec: LossSpec, tensors: LossInputs, den: Tensor | None, backend: s
         return make_fx(body)(*example)  # type: ignore[no-any-return]
     from torch._inductor.compile_fx import compile_fx
 
-    graph = torch.export.export(body, example, strict=True).graph_module  # flat inputs
+    graph = torch.export.export(body, example, strict=True).module()  # constants bound
 
     return compile_fx(graph, list(example))  # type: ignore[return-value]
 

@@ -54,6 +54,7 @@ from dapo_ops.testing._linear import check_linear_loss, check_token_local
 from dapo_ops.testing._robustness import (
     check_all_masked,
     check_compile,
+    check_compiled_policy_loss,
     check_constants_refused,
     check_double_backward,
     check_fields,
@@ -70,6 +71,7 @@ __all__ = [
     "Reference",
     "check_all_masked",
     "check_compile",
+    "check_compiled_policy_loss",
     "check_constants_refused",
     "check_double_backward",
     "check_fields",
@@ -113,6 +115,7 @@ CHECKS: Mapping[str, Callable[..., None]] = {
     "double_backward": check_double_backward,
     "constants_refused": check_constants_refused,
     "compile": check_compile,
+    "compiled_policy_loss": check_compiled_policy_loss,
     "linear_loss": _every_mode(check_linear_loss),
     "token_local": check_token_local,
 }
@@ -125,7 +128,7 @@ def check_objective(
     it matters); ``AssertionError`` at the first failure.
 
     ``stop_gradient``: see :func:`check_gradcheck`. ``with_compile=False`` skips the
-    ``torch.compile`` check (the slowest one).
+    ``torch.compile`` and ``CompiledPolicyLoss`` checks (the slowest ones).
 
     Example:
         >>> from dapo_ops import ClipHigher
@@ -134,7 +137,7 @@ def check_objective(
     if not isinstance(objective, Objective):
         raise InputError(f"objective must be an Objective value, got {objective!r}")
     for name, check in CHECKS.items():
-        if name == "compile" and not with_compile:
+        if name in ("compile", "compiled_policy_loss") and not with_compile:
             continue
         if name == "gradcheck":
             check(objective, stop_gradient=stop_gradient)

@@ -68,6 +68,46 @@ def check_compile(
         _assert_within(grad, ref.grad, ref.grad_err, f"{what}: gradient vs the reference")
 
 
+def check_compiled_policy_loss(
+    objective: Objective,
+    batch: Batch | None = None,
+    *,
+    mode: AggregationMode = "token_mean",
+    backend: str = "inductor",
+    kl_and_is_weights: bool = True,
+) -> None:
+    """:class:`~dapo_ops.CompiledPolicyLoss` (the body exported once and compiled ahead of
+    time) gives a loss and gradient within :func:`reference_with_bounds`, with a KL penalty
+    and IS weights (``kl_and_is_weights=False``: without). An objective without an
+    analytic ``grad`` is refused by it with ``InputError``, which this check expects."""
+    from dapo_ops.compiled_loss import CompiledPolicyLoss
+
+    if type(objective).grad is Objective.grad:
+        try:
+            CompiledPolicyLoss(objective)
+        except InputError:
+            return
+        raise AssertionError(f"{_name(objective)}: CompiledPolicyLoss accepted no analytic grad")
+    b = _default(objective, batch, torch.float32)
+    g = torch.Generator().manual_seed(3)
+    ref_logp = b.logp + 0.3 * torch.randn(b.logp.shape, generator=g, dtype=b.logp.dtype)
+    rho = (torch.rand(b.logp.shape, generator=g) + 0.5).to(b.logp.dtype)
+    kl = KLPenalty(beta=0.1) if kl_and_is_weights else None
+    ref_or_none, rho_or_none = (ref_logp, rho) if kl else (None, None)
+    run = CompiledPolicyLoss(objective, mode=mode, kl=kl, backend=backend)  # type: ignore[arg-type]
+    got = _loss_and_grad(
+        lambda lp: run(lp, *b[1:], ref_logp=ref_or_none, is_weights=rho_or_none), b.logp
+    )
+    ref = reference_with_bounds(
+        objective, b, mode=mode, kl=kl, ref_logp=ref_or_none, is_weights=rho_or_none
+    )
+    what = f"{_name(objective)}, mode={mode}, CompiledPolicyLoss({backend})" + (
+        ", KL and IS weights" if kl else ""
+    )
+    _assert_within(got[0], ref.loss, ref.loss_err, f"{what}: loss vs the float64 reference")
+    _assert_within(got[1], ref.grad, ref.grad_err, f"{what}: gradient vs the reference")
+
+
 def check_low_precision(
     objective: Objective,
     batch: Batch | None = None,
