@@ -217,20 +217,41 @@ def test_recompile_limit_falls_back_to_eager_with_a_warning() -> None:
 
 
 def _recompile_twice(b: Any) -> None:
-    for mode in ("token_mean", "seq_mean_token_mean"):  # a second graph: over the limit
-        lp_c = b.logp.clone().requires_grad_(True)
+    for dtype in (torch.float32, torch.float64):  # one configuration, a second graph
+        lp, old, adv = (t.to(dtype) for t in (b.logp, b.old_logp, b.advantages))
+        lp_c = lp.clone().requires_grad_(True)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            out = fused_token_level_loss(
-                lp_c, b.old_logp, b.advantages, b.mask, mode=mode, compiled="aot_eager"
-            )
+            out = fused_token_level_loss(lp_c, old, adv, b.mask, compiled="aot_eager")
         fell_back = any("ran eagerly" in str(w.message) for w in caught)
-        assert fell_back == (mode == "seq_mean_token_mean")
+        assert fell_back == (dtype == torch.float64)
         out.backward()
-        want = exact(b.logp, b.old_logp, b.advantages, b.mask, torch.float32, mode=mode)
+        want = exact(lp, old, adv, b.mask, dtype)
         assert_loss_close(out, want)
         assert lp_c.grad is not None
         assert_grad_close(lp_c.grad, want)
+
+
+def test_each_configuration_has_its_own_recompile_budget() -> None:
+    """Distinct configurations (objective values, modes) compile a graph each without
+    counting against one another's ``recompile_limit``: a process that uses more
+    configurations than the limit never falls back to eager (it used to, for the ninth)."""
+    torch._dynamo.reset()
+    b = make_batch(3, 8, 1)
+    with torch._dynamo.config.patch(recompile_limit=1), warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for eps_high in (0.28, 0.3):
+            for mode in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"):
+                lp_c = b.logp.clone().requires_grad_(True)
+                fused_token_level_loss(
+                    lp_c, b.old_logp, b.advantages, b.mask, compiled="aot_eager", mode=mode,
+                    eps_high=eps_high,
+                ).backward()  # fmt: skip
+                want = exact(b.logp, b.old_logp, b.advantages, b.mask, torch.float32,
+                             mode=mode, eps_high=eps_high)  # fmt: skip
+                assert lp_c.grad is not None
+                assert_grad_close(lp_c.grad, want)
+    torch._dynamo.reset()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -11,14 +11,19 @@ The mask enters as the bool tensor it is (with torch 2.13's inductor a bool inpu
 faster than a uint8 view compared in the graph: 64x4096, one thread, 0.54 vs 0.76 ms for
 the kernel); the objective and the options are graph constants (fixed for a run), while
 a numeric normaliser is a 0-dim tensor (it changes every step: one graph serves every
-value). Each new objective value, option set, dtype
-or normaliser kind compiles one more graph; past ``torch._dynamo.config.recompile_limit``
-the call warns and runs eagerly. Compiled lazily on first use and cached per process
-(``_COMPILED``: compiled code, no data).
+value). Each loss configuration (objective value, KL penalty, aggregation: one
+``LossSpec``) gets a function of its own, a copy of :func:`_graph` with its own code
+object, so dynamo keeps a separate cache for it: ``torch._dynamo.config.recompile_limit``
+then bounds the recompiles of one configuration (dtypes, which optional tensors are given,
+normaliser kind, a dynamic shape), not the number of objectives a process uses (with one
+shared function, a process that compared nine objectives ran the later ones eagerly, and
+slower than eager). Past the limit the call warns and runs eagerly. Compiled lazily on
+first use and cached per process (``_COMPILED``: compiled code, no data).
 """
 
 from __future__ import annotations
 
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -28,8 +33,9 @@ from torch import Tensor
 
 from dapo_ops._engine import LossInputs, LossSpec, eager_body
 
-#: torch.compile'd graphs, built on first use, keyed by backend: compiled code, no data.
-_COMPILED: dict[str, Callable[..., Any]] = {}
+#: torch.compile'd graphs, built on first use, keyed by (backend, LossSpec): compiled code,
+#: no data.
+_COMPILED: dict[tuple[str, Any], Callable[..., Any]] = {}
 
 
 def _graph(
@@ -40,11 +46,6 @@ def _graph(
 
 def compiled_body(backend: str) -> Callable[..., tuple[Tensor, Tensor | None]]:
     """A body for :func:`dapo_ops._engine.fused_loss` that runs the compiled graph."""
-    graph = _COMPILED.get(backend)
-    if graph is None:
-        # dynamic=None: specialised on the first shape, one dynamic-shape recompile after
-        graph = torch.compile(_graph, fullgraph=True, backend=backend)
-        _COMPILED[backend] = graph
 
     def body(
         spec: LossSpec, tensors: LossInputs, normalizer: Tensor | None, with_grad: bool
@@ -53,6 +54,7 @@ def compiled_body(backend: str) -> Callable[..., tuple[Tensor, Tensor | None]]:
         from torch._dynamo.exc import FailOnRecompileLimitHit, Unsupported
 
         try:
+            graph = _graph_for(backend, spec)
             return graph(spec, tensors, normalizer, with_grad)  # type: ignore[no-any-return]
         except (FailOnRecompileLimitHit, Unsupported) as err:
             warnings.warn(
@@ -64,3 +66,24 @@ def compiled_body(backend: str) -> Callable[..., tuple[Tensor, Tensor | None]]:
             return eager_body(spec, tensors, normalizer, with_grad)
 
     return body
+
+
+def _graph_for(backend: str, spec: LossSpec) -> Callable[..., Any]:
+    """The compiled graph of one configuration: ``torch.compile`` of a copy of
+    :func:`_graph` whose code object is its own (dynamo's cache lives on the code object).
+    An objective that is not hashable shares one copy with the others like it."""
+    try:
+        key: tuple[str, Any] = (backend, spec)
+        hash(key)
+    except TypeError:
+        key = (backend, None)
+    graph = _COMPILED.get(key)
+    if graph is None:
+        f = _graph  # (a type-checking import hook may have wrapped it: closure kept)
+        own = types.FunctionType(
+            f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__
+        )
+        # dynamic=None: specialised on the first shape, one dynamic-shape recompile after
+        graph = torch.compile(own, fullgraph=True, backend=backend)
+        _COMPILED[key] = graph
+    return graph
