@@ -169,7 +169,7 @@ def group_advantages(
     if baseline == "leave_one_out":  # R_i - mean_{j != i} R_j = n / (n - 1) (R_i - mean)
         factor = factor * (count / _at_least_one(count - 1))
     if not isinstance(factor, Tensor):  # a Python number would make a float32 where
-        factor = x.new_tensor(factor)
+        factor = x.new_full((), factor)  # filled on the device: no copy from the host
     (factor_each,) = group_each(groups, torch.where(degenerate, 0.0, factor))
     advantages = centered * factor_each
     if singleton == "score" and isinstance(single, Tensor):

@@ -163,7 +163,7 @@ def clip_cov_mask(
     if generator is not None:
         if not isinstance(generator, torch.Generator):
             raise InputError(f"generator must be a torch.Generator or None, got {generator!r}")
-        if generator.device != logp.device:
+        if not _same_device(generator.device, logp.device):
             raise InputError(
                 f"generator is on {generator.device} but logp is on {logp.device}; pass a "
                 "torch.Generator of logp's device"
@@ -172,6 +172,18 @@ def clip_cov_mask(
         candidates.shape, generator=generator, device=logp.device, dtype=torch.float64
     )
     return first_k(candidates, keys, k)
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """The same device, where ``cuda`` without an index is the current one
+    (``torch.Generator(device="cuda")`` has none; a tensor made there has one)."""
+
+    def index(d: torch.device) -> int | None:
+        if d.index is None and d.type == "cuda":
+            return torch.cuda.current_device()
+        return d.index
+
+    return a.type == b.type and index(a) == index(b)
 
 
 def first_k(candidates: Tensor, keys: Tensor, k: Tensor) -> Tensor:

@@ -219,7 +219,7 @@ def objective_diagnostics(
 def extreme(x: Tensor, reduce: str) -> Tensor:
     """amin/amax of all entries; +-inf for an empty tensor (shape-static branch)."""
     if x.numel() == 0:
-        return x.new_tensor(float("inf") if reduce == "amin" else float("-inf"))
+        return x.new_full((), float("inf") if reduce == "amin" else float("-inf"))
     return x.amin() if reduce == "amin" else x.amax()
 
 
@@ -316,7 +316,7 @@ def batch_diagnostics(
     return BatchDiagnostics(
         groups=groups,
         groups_kept=kept,
-        samples=lengths.new_tensor(lengths.numel(), dtype=acc),
+        samples=lengths.new_full((), lengths.numel(), dtype=acc),  # filled on the device
         overlong_samples=(exact >= max_len).sum().to(acc),
         response_tokens=exact.sum().to(acc),
     )

@@ -59,7 +59,8 @@ def opo_advantages(
 
     :math:`A_i = s_i - \sum_{j\in g} |y_j| s_j / \sum_{j\in g}|y_j|`; a one-sample group
     keeps its raw score (baseline 0, as verl's ``adv_estimator="opo"``). ``lengths`` are
-    the responses' token counts (integer or float, finite and >= 0), shaped as ``scores``.
+    the responses' token counts (integer or float, finite and >= 0, else ``InputError``:
+    checked with one host sync, skipped under ``torch.compile``), shaped as ``scores``.
 
     Example:
         >>> opo_advantages(torch.tensor([[1.0, 0.0]]), torch.tensor([[3, 1]]))
@@ -122,7 +123,8 @@ def passk_advantages(
     :math:`A_{i^*} = (s_{(1)} - s_{(2)}) / (\mathrm{std}_g + \epsilon)` for the sample
     :math:`i^*` with the group's highest score (the first one on ties), 0 for the others;
     ``scale=False`` skips the division (verl's ``norm_adv_by_std_in_grpo``). Every group
-    needs at least two samples. A NaN score makes its whole group's advantages NaN.
+    needs at least two samples (else ``InputError``: checked with one host sync, skipped
+    under ``torch.compile``). A NaN score makes its whole group's advantages NaN.
     verl: ``adv_estimator="grpo_passk"``.
 
     Example:
@@ -167,7 +169,8 @@ def gdpo_advantages(
     :math:`A = \mathrm{whiten}\big(\sum_k w_k\,\mathrm{GRPO}(s^{(k)})\big)` over the valid
     tokens, with GRPO's group advantage per component (a one-sample group keeps its raw
     score, as verl) and ``weights`` (default 1 each). ``components`` ``[batch, K]`` holds
-    one score per sample per reward component. verl: ``adv_estimator="gdpo"`` with
+    one score per sample per reward component, finite (else ``InputError``: checked with
+    one host sync, skipped under ``torch.compile``). verl: ``adv_estimator="gdpo"`` with
     ``gdpo_reward_keys``/``gdpo_reward_weights``.
 
     Example:

@@ -288,8 +288,9 @@ def linear_policy_loss_with_diagnostics(
     :func:`objective_diagnostics` of the objective on the log-probs the loss used (clip
     fractions, ratio statistics, approximate KL) with the entropy's sum (``.entropy``:
     its mean over the valid tokens), and those log-probs and entropies, all detached
-    and on the device (no host sync). The entropies cost one more pass over each chunk
-    and a small scratch buffer.
+    and on the device (no host sync beyond :func:`linear_policy_loss`'s one, the token-id
+    range check). The entropies cost one more pass over each chunk and a small scratch
+    buffer.
 
     Example:
         >>> g = torch.Generator().manual_seed(0)

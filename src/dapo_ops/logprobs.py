@@ -168,7 +168,8 @@ def token_logprobs_and_entropy(
     logged for clip diagnostics), and the only safe one with ``inplace_backward=True``:
     two separate calls on the same logits would each want to own the buffer.
 
-    Shapes, dtypes and options as in :func:`token_logprobs`. Returns
+    Shapes, dtypes, options and the id range check (one host sync, skipped under
+    ``torch.compile``) as in :func:`token_logprobs`. Returns
     ``LogpEntropy(logp, entropy)``, a named tuple of two ``[tokens]`` or ``[batch, seq]``
     float32 tensors.
 

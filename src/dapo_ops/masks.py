@@ -31,8 +31,9 @@ def _quantile(values: Tensor, valid: Tensor, q: float) -> Tensor:
     hi = torch.minimum(lo + 1, (n - 1).clamp(min=0))
     frac = pos - lo.to(values.dtype)
     if ordered.numel() == 0:
-        return values.new_tensor(math.inf)
-    a, b = ordered[lo], ordered[hi]
+        return values.new_full((), math.inf)
+    # take, not ordered[lo]: indexing with a 0-dim tensor reads it on the host (a sync)
+    a, b = ordered.take(lo), ordered.take(hi)
     value = a + (b - a) * frac
     return torch.where(n > 0, value, torch.inf)
 

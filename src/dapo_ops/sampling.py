@@ -131,7 +131,7 @@ def kept_group_counts(
             f"{keep.dtype} of shape {shape_str(keep)}"
         )
     if group_ids is None:
-        return keep.sum().float(), keep.new_tensor(keep.numel(), dtype=torch.float32)
+        return keep.sum().float(), keep.new_full((), keep.numel(), dtype=torch.float32)
     seg = segments("keep", keep, group_ids)
     present = segment_count(seg, torch.float32) > 0
     kept = segment_reduce(seg, keep.float(), "amax")

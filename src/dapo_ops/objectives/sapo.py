@@ -50,9 +50,10 @@ class SAPO(Objective):
 
     def _gate(self, x: TokenInputs) -> tuple[Tensor, Tensor]:
         """``(tau, sigma(tau (r - 1)))`` per token."""
-        pos, neg = x.ratio.new_tensor(self.tau_pos), x.ratio.new_tensor(self.tau_neg)
+        pos, neg = x.ratio.new_full((), self.tau_pos), x.ratio.new_full((), self.tau_neg)
         tau = torch.where(x.adv > 0, pos, neg)  # in the compute dtype (two Python floats
-        # would give the default dtype: 1.05 rounded to float32)
+        # would give the default dtype: 1.05 rounded to float32); new_full fills on the
+        # device (new_tensor would copy from the host: a sync on CUDA)
         return tau, torch.sigmoid(tau * (x.ratio - 1.0))
 
     def term(self, x: TokenInputs) -> Tensor:

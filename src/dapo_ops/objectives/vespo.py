@@ -57,9 +57,9 @@ class VESPO(Objective):
         seq = masked(x.valid, x.clamped).sum(dim=-1, keepdim=True)
         log_w = seq.clamp(_LOG_W_MIN, 20.0)
         nonneg = x.adv >= 0
-        k = torch.where(nonneg, x.adv.new_tensor(self.k_pos), x.adv.new_tensor(self.k_neg))
+        k = torch.where(nonneg, x.adv.new_full((), self.k_pos), x.adv.new_full((), self.k_neg))
         lam = torch.where(
-            nonneg, x.adv.new_tensor(self.lambda_pos), x.adv.new_tensor(self.lambda_neg)
+            nonneg, x.adv.new_full((), self.lambda_pos), x.adv.new_full((), self.lambda_neg)
         )
         phi = torch.exp(lam + k * log_w - lam * log_w.exp())
         return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0).detach()
