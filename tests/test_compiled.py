@@ -254,6 +254,31 @@ def test_each_configuration_has_its_own_recompile_budget() -> None:
     torch._dynamo.reset()
 
 
+def test_configurations_past_the_cap_share_one_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new objective value every step (a schedule) does not compile without end: past
+    MAX_CONFIGURATIONS the configurations share one function, and past its recompile
+    limit the call warns and runs eagerly, as one shared function always did."""
+    from dapo_ops import _compiled
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(_compiled, "_COMPILED", {})
+    monkeypatch.setattr(_compiled, "MAX_CONFIGURATIONS", 2)
+    b = make_batch(3, 8, 1)
+    fell_back = []
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for eps_high in (0.25, 0.26, 0.27, 0.28):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                fused_token_level_loss(
+                    b.logp, b.old_logp, b.advantages, b.mask, compiled="aot_eager",
+                    eps_high=eps_high,
+                )  # fmt: skip
+            fell_back.append(any("ran eagerly" in str(w.message) for w in caught))
+    assert fell_back == [False, False, False, True]
+    assert len(_compiled._COMPILED) == 3  # two of their own, one shared
+    torch._dynamo.reset()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_compiled_matches_eager() -> None:
     dev = torch.device("cuda")

@@ -36,6 +36,8 @@ from dapo_ops._engine import LossInputs, LossSpec, eager_body
 #: torch.compile'd graphs, built on first use, keyed by (backend, LossSpec): compiled code,
 #: no data.
 _COMPILED: dict[tuple[str, Any], Callable[..., Any]] = {}
+#: Configurations with a compiled function of their own, per backend; the others share one.
+MAX_CONFIGURATIONS = 64
 
 
 def _graph(
@@ -71,11 +73,16 @@ def compiled_body(backend: str) -> Callable[..., tuple[Tensor, Tensor | None]]:
 def _graph_for(backend: str, spec: LossSpec) -> Callable[..., Any]:
     """The compiled graph of one configuration: ``torch.compile`` of a copy of
     :func:`_graph` whose code object is its own (dynamo's cache lives on the code object).
-    An objective that is not hashable shares one copy with the others like it."""
+    An objective that is not hashable, and every configuration past the first
+    :data:`MAX_CONFIGURATIONS` of a backend (a process that makes a new objective value
+    every step, say), share one copy: there dynamo's ``recompile_limit`` applies, and past
+    it the call warns and runs eagerly, instead of compiling anew each step."""
     try:
         key: tuple[str, Any] = (backend, spec)
         hash(key)
     except TypeError:
+        key = (backend, None)
+    if key not in _COMPILED and sum(k[0] == backend for k in _COMPILED) >= MAX_CONFIGURATIONS:
         key = (backend, None)
     graph = _COMPILED.get(key)
     if graph is None:
