@@ -517,6 +517,9 @@ def test_bad_inputs_name_the_argument() -> None:
             d.linear_policy_loss(*args, **kw)
     with pytest.raises(d.InputError, match="tokens"):
         d.linear_policy_loss(args[0], args[1], bad_tokens, *args[3:])
+    bad_tokens[0, 0] = -1  # checked after the chunks ran on clamped ids: still refused
+    with pytest.raises(d.InputError, match=r"tokens must hold ids in \[0, vocab\)"):
+        d.linear_policy_loss_with_diagnostics(args[0], args[1], bad_tokens, *args[3:])
     with pytest.raises(d.InputError, match="old_logp"):
         d.linear_policy_loss(args[0], args[1], args[2], args[3][:, :-1], *args[4:])
     with pytest.raises(d.InputError, match="hidden"):
