@@ -112,7 +112,8 @@ class Suite:
     name: str
     title: str
     make_cases: Callable[[bool, str], list[Case]]
-    targets: Callable[[list[Result], list[Case], float], list[Target]] = lambda *_: []
+    #: (results, cases, copy bandwidth, device) -> the issue's targets for that device
+    targets: Callable[[list[Result], list[Case], float, str], list[Target]] = lambda *_: []
     agreement: Callable[[str], list[str]] = lambda _: []
     notes: Sequence[str] = ()
     bandwidth: bool = True  # does a case of this suite use the bandwidth floor
@@ -275,7 +276,10 @@ def run_case(suite: str, case: Case, proto: Protocol, log: Callable[[str], None]
         if device == "cuda":
             for name, fn in fns.items():
                 results[name].kernels = count_kernels(fn)
-                results[name].mem_tensors = memory.measure_cuda(fn)
+                try:
+                    results[name].mem_tensors = memory.measure_cuda(fn)
+                except Exception as e:  # e.g. out of memory: the row says so
+                    log(f"    memory {name}: {type(e).__name__}: {str(e)[:200]}")
         del fns, inputs
         gc.collect()
     for impl in case.impls:

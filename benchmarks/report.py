@@ -81,14 +81,14 @@ def _mib(b: int | None) -> str:
     return "n/a" if b is None else f"{b / 2**20:.1f}"
 
 
-def suite_targets(suite_name: str, record: dict[str, Any]) -> list[Target]:
+def suite_targets(suite_name: str, record: dict[str, Any], device: str = "cpu") -> list[Target]:
     from benchmarks.suites import SUITES
 
     suite = SUITES.get(suite_name)
     if suite is None:
         return []
     bandwidth = record["meta"].get("bandwidth") or math.nan
-    return suite.targets(record_results(record), record_cases(record), bandwidth)
+    return suite.targets(record_results(record), record_cases(record), bandwidth, device)
 
 
 def _meta_lines(meta: dict[str, Any]) -> list[str]:
@@ -221,7 +221,7 @@ def render(data: dict[str, Any]) -> str:
     ]
     for device, suites in runs.items():
         for name in (n for n in SUITES if n in suites):
-            for t in suite_targets(name, suites[name]):
+            for t in suite_targets(name, suites[name], device):
                 lines.append(
                     f"| {device} | {name} | {t.name} | {t.measured} | {t.limit} | "
                     f"{t.verdict.replace('|', chr(92) + '|')} |"

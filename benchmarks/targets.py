@@ -49,6 +49,14 @@ def compare(
     return Target(name, f"{x:.3g}x (minima {xm:.3g}x)", bound, met, reason)
 
 
+def because(target: Target, reason: str) -> Target:
+    """``target`` with ``reason`` given for a miss (a target met or not measured keeps
+    its own)."""
+    if target.met is False and not target.reason:
+        target.reason = reason
+    return target
+
+
 def at_most(name: str, value: float | None, limit: float, unit: str, why: str = "") -> Target:
     """A measured quantity against an upper limit; ``unit`` is appended as written
     (``"x the inputs"``, ``" MiB"``)."""

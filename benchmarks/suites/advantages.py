@@ -103,7 +103,9 @@ def agreement(device: str) -> list[str]:
     ]
 
 
-def targets(results: list[Result], cases: list[Case], bandwidth: float) -> list[Target]:
+def targets(
+    results: list[Result], cases: list[Case], bandwidth: float, device: str = "cpu"
+) -> list[Target]:
     size = "16k samples / 1k groups"
     dense, ragged = "group_advantages dense", "group_advantages ragged"
     vectorized = next(

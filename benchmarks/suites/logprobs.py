@@ -20,7 +20,7 @@ import torch
 
 import dapo_ops as d
 from benchmarks.harness import Case, Fn, Impl, Result, Suite
-from benchmarks.targets import Target, compare
+from benchmarks.targets import Target, because, compare
 
 Pair = tuple[torch.Tensor, torch.Tensor]
 NAIVE, NAIVE_HIDDEN, FUSED = "naive", "naive_hidden: h @ W.T, then naive", "fused_logprobs_entropy"
@@ -178,13 +178,24 @@ def make_cases(quick: bool, device: str) -> list[Case]:
     return cases
 
 
-def targets(results: list[Result], cases: list[Case], bandwidth: float) -> list[Target]:
+def targets(
+    results: list[Result], cases: list[Case], bandwidth: float, device: str = "cpu"
+) -> list[Target]:
     out = []
     for c in (c for c in cases if c.op == "from hidden fwd+bwd"):
         rs = {r.impl: r for r in results if (r.op, r.size) == (c.op, c.size)}
         name = f"fused_logprobs_entropy fwd+bwd, {c.size}: time / naive"
-        out.append(compare(name, rs.get(FUSED), rs.get(NAIVE_HIDDEN), 1.0, faster=False))
+        t = compare(name, rs.get(FUSED), rs.get(NAIVE_HIDDEN), 1.0, faster=False)
+        out.append(t if device == "cpu" else because(t, GPU_REASON))
     return out
+
+
+#: Why the fused path is slower than the naive one on a GPU (H100 run of this suite).
+GPU_REASON = (
+    "on a GPU the matmuls dominate and the fused backward forms each chunk's logits again: "
+    "4 matmuls where the naive path does 3; its point there is memory. For a loss, "
+    "linear_policy_loss forms the gradient in the forward (3 matmuls)"
+)
 
 
 SUITE = Suite(
