@@ -143,7 +143,9 @@ def main() -> int:
     text = README.read_text()
     README.write_text(text.replace(readme_block(text), render(data)))
     print(f"README.md performance block rewritten from {JSON.relative_to(ROOT)}")
-    return 0
+    from tools import pypi_readme  # the package index's copy of README.md follows it
+
+    return pypi_readme.main([])
 
 
 if __name__ == "__main__":

@@ -128,6 +128,25 @@ def test_comparison_page_is_generated_from_the_registry() -> None:
     assert page.read_text() == markdown_table(), "stale: run python -m tools.feature_table"
 
 
+def test_package_index_description_is_readme_without_relative_links() -> None:
+    """README.pypi.md (the package's long description, pyproject.toml) is README.md as
+    `python -m tools.pypi_readme` renders it, and holds no relative link or image: on the
+    package index page one would be dead. The sdist ships the docs it names by path."""
+    spec = importlib.util.spec_from_file_location("pypi_readme", ROOT / "tools" / "pypi_readme.py")
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    text = (ROOT / "README.pypi.md").read_text()
+    assert text == tool.render((ROOT / "README.md").read_text()), (
+        "stale: run python -m tools.pypi_readme"
+    )
+    targets = re.findall(r"\]\(([^)\s]+)\)", text)
+    relative = [t for t in targets if not re.match(r"^[a-z][a-z0-9+.-]*:", t) and t[0] != "#"]
+    assert not relative, f"relative links on the package index page: {relative}"
+    manifest = (ROOT / "MANIFEST.in").read_text()
+    assert "graft docs" in manifest and "README.pypi.md" in manifest
+
+
 @pytest.mark.usefixtures("no_runtime_typecheck")  # check_objective compiles policy_loss
 def test_objectives_page_example_runs_and_passes_the_conformance_checks(
     monkeypatch: pytest.MonkeyPatch,
