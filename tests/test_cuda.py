@@ -20,7 +20,16 @@ import pytest
 import torch
 from _bounds import assert_within
 from test_bad_inputs import REGISTRY, Fresh, build, call, outputs
-from test_linear_loss import CASES, assert_f64, float32_bounds, grads, linear, naive_loss, problem
+from test_linear_loss import (
+    CASES,
+    assert_f64,
+    case_inputs,
+    float32_bounds,
+    grads,
+    linear,
+    naive_loss,
+    problem,
+)
 from torch import Tensor
 
 import dapo_ops as d
@@ -142,9 +151,7 @@ def test_masked_garbage_changes_no_bit(cls: type) -> None:
 @pytest.mark.parametrize(("objective", "opts"), CASES)
 def test_linear_float64_equals_the_naive_path(objective: d.Objective, opts: dict[str, Any]) -> None:
     """float64 on the GPU against the naive path on the CPU (autograd), 1e-10 relative."""
-    p = problem()
-    if "kl" in opts:
-        opts = opts | {"ref_logp": p["ref"], "is_weights": p["rho"]}
+    p, opts = case_inputs(opts)
     want = grads(naive_loss(objective, p, opts), p)
     gp = {k: v.to(DEV) for k, v in p.items()}
     got_loss, got_grads = grads(linear(objective, gp, to(DEV, opts)), gp)

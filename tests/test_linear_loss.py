@@ -180,11 +180,18 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("objective", "opts"), CASES)
-def test_float64_equals_naive_and_composed(objective: d.Objective, opts: dict[str, Any]) -> None:
+def case_inputs(opts: dict[str, Any]) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """A CASES entry's problem and options (with reference log-probs and IS weights for a
+    case with a KL penalty)."""
     p = problem()
     if "kl" in opts:
         opts = opts | {"ref_logp": p["ref"], "is_weights": p["rho"]}
+    return p, opts
+
+
+@pytest.mark.parametrize(("objective", "opts"), CASES)
+def test_float64_equals_naive_and_composed(objective: d.Objective, opts: dict[str, Any]) -> None:
+    p, opts = case_inputs(opts)
     got = grads(linear(objective, p, opts), p)
     assert_f64(got, grads(naive_loss(objective, p, opts), p), "vs naive")
     assert_f64(got, grads(composed_loss(objective, p, opts), p), "vs composed")
