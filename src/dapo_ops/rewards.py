@@ -48,9 +48,10 @@ def overlong_reward(
     ``response_length`` and TRL's completion mask). Prompt tokens are not counted.
 
     Shapes: ``lengths [batch]`` (integers or floats, finite and >= 0, else
-    ``InputError``: checked with one host sync, skipped under ``torch.compile``); returns ``[batch]`` float32 (float64 for float64 lengths). Exact for
-    any length: integer lengths are compared with the budget in int64 (no rounding through
-    float32 above ``2**24``), float lengths in float64, and the result is rounded once.
+    ``InputError``: checked with one host sync, skipped under ``torch.compile``); returns
+    ``[batch]`` float32 (float64 for float64 lengths). Exact for any length: integer
+    lengths are compared with the budget in int64 (no rounding through float32 above
+    ``2**24``), float lengths in float64, and the result is rounded once.
     ``max_len`` and ``cache_len`` are ints (``0 < cache_len <= max_len < 2**63``).
 
     Defaults: the paper uses ``max_len=20480``, ``cache_len=4096`` (expected length
