@@ -22,6 +22,7 @@ import dapo_ops as d
 from benchmarks.environment import installed
 from benchmarks.harness import Case, Fn, Impl, Result, Suite
 from benchmarks.targets import Target, at_most, because, compare
+from dapo_ops._fused_linear import WEIGHT_BLOCK_ROWS
 
 UNIT = "one h @ W.T (forward matmul; the time unit)"
 NAIVE = "naive: h @ W.T, log_softmax, gather, policy_loss"
@@ -170,8 +171,8 @@ GPU_REASON = (
     "written)"
 )
 GPU_REASON_BF16 = (
-    "; in bf16 the weight gradient is also formed 8192 vocabulary rows at a time "
-    "(WEIGHT_BLOCK_ROWS: small matmuls, upcasts and adds per chunk; 32768-row blocks were "
+    f"; in bf16 the weight gradient is also formed {WEIGHT_BLOCK_ROWS} vocabulary rows at "
+    "a time (WEIGHT_BLOCK_ROWS: small matmuls, upcasts and adds per chunk; 32768-row blocks were "
     "tried on the H100 and were no faster)"
 )
 
