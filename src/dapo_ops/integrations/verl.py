@@ -34,79 +34,29 @@ Example:
 from __future__ import annotations
 
 import sys
-from collections.abc import Hashable, Iterable, Mapping
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from dapo_ops._rules import compute_dtype
 from dapo_ops._validate import InputError
-from dapo_ops.advantages import group_advantages
-from dapo_ops.aggregation import AggregationMode
+from dapo_ops.integrations._verl_common import (
+    VERL_AGG_MODES,
+    _config_value,
+    ppo_kl,
+    verl_aggregation,
+)
+from dapo_ops.integrations.verl_advantages import (
+    compute_grpo_outcome_advantage,
+    register_advantages,
+)
+from dapo_ops.integrations.verl_estimators import register_estimators
+from dapo_ops.integrations.verl_losses import register_all
 from dapo_ops.loss import token_level_loss
-from dapo_ops.surrogate import LOG_RATIO_CLAMP
 
 #: The names this module registers under in verl.
 LOSS_NAME = "dapo_ops"
 ADV_ESTIMATOR_NAME = "dapo_ops_grpo"
-
-#: verl's ``loss_agg_mode`` values and the dapo_ops mode that computes each.
-VERL_AGG_MODES: dict[str, AggregationMode] = {
-    "token-mean": "token_mean",
-    "token-sum": "token_mean",  # with normaliser 1 / dp_size
-    "seq-mean-token-mean": "seq_mean_token_mean",
-    "seq-mean-token-sum": "seq_mean_token_sum",
-    "seq-mean-token-sum-norm": "seq_mean_token_sum_norm",
-}
-
-
-def _config_value(config: Any, name: str, default: Any) -> Any:
-    """``config.name`` for verl's ``ActorConfig``, an omegaconf ``DictConfig`` or a dict."""
-    if config is None:
-        return default
-    getter = getattr(config, "get", None)
-    value = getter(name, None) if callable(getter) else getattr(config, name, None)
-    return default if value is None else value
-
-
-def verl_aggregation(
-    loss_agg_mode: str,
-    global_batch_info: Mapping[str, Any] | None = None,
-    loss_scale_factor: int | None = None,
-) -> tuple[AggregationMode, Tensor | float | Literal["local"], int | None]:
-    """``(mode, normalizer, max_len)`` for :func:`dapo_ops.token_level_loss` that give verl's ``agg_loss``.
-
-    verl (0.9) divides a micro-batch's loss sum by the *global* count of the mini-batch
-    (``batch_num_tokens`` for ``token-mean``, ``global_batch_size`` sequences for the
-    ``seq-mean-*`` modes) and multiplies by ``dp_size`` because FSDP averages gradients
-    over ranks: that is dapo_ops' ``normalizer = count / dp_size``, what
-    :func:`dapo_ops.global_normalizer` returns. Without those counts (``dp_size == 1``)
-    verl uses the micro-batch's own count: ``normalizer="local"``. ``token-sum`` is the
-    plain sum times ``dp_size`` (``normalizer = 1 / dp_size``). ``seq-mean-token-sum-norm``
-    divides by ``loss_scale_factor``, else by the padded width (dapo_ops' ``max_len``).
-    """
-    if loss_agg_mode not in VERL_AGG_MODES:
-        raise InputError(
-            f"loss_agg_mode must be one of {sorted(VERL_AGG_MODES)}, got {loss_agg_mode!r}"
-        )
-    info = dict(global_batch_info or {})
-    dp_size = info.get("dp_size") or 1
-    scale = info.get("loss_scale_factor") or loss_scale_factor
-    mode = VERL_AGG_MODES[loss_agg_mode]
-    if loss_agg_mode == "token-sum":
-        return mode, 1.0 / float(dp_size), None
-    count = info.get("batch_num_tokens" if mode == "token_mean" else "global_batch_size")
-    if count is None:
-        if int(dp_size) > 1:
-            raise InputError(
-                f"verl's global_batch_info lacks the global count with dp_size={dp_size}"
-            )
-        normalizer: Tensor | float | Literal["local"] = "local"
-    else:
-        normalizer = torch.as_tensor(count, dtype=torch.float64) / float(dp_size)
-    max_len = int(scale) if mode == "seq_mean_token_sum_norm" and scale is not None else None
-    return mode, normalizer, max_len
 
 
 def compute_policy_loss(
@@ -160,56 +110,6 @@ def compute_policy_loss(
     return loss, metrics
 
 
-def ppo_kl(log_prob: Tensor, old_log_prob: Tensor, mask: Tensor) -> float:
-    """verl's ``actor/ppo_kl`` metric: the masked mean of ``old - new`` (k1), a host read."""
-    with torch.no_grad():
-        dtype = compute_dtype(log_prob, old_log_prob)  # float64 stays float64
-        log_ratio = (log_prob.to(dtype) - old_log_prob.to(dtype)).clamp(
-            -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP
-        )
-        neg = torch.where(mask, -log_ratio, torch.zeros_like(log_ratio)).sum()
-        return float(neg / mask.sum().clamp(min=1))
-
-
-def compute_grpo_outcome_advantage(
-    token_level_rewards: Tensor,
-    response_mask: Tensor,
-    index: Iterable[Hashable],
-    epsilon: float = 1e-6,
-    norm_adv_by_std_in_grpo: bool = True,
-    config: Any = None,
-    **kwargs: Any,
-) -> tuple[Tensor, Tensor]:
-    """verl advantage estimator: GRPO outcome advantage via :func:`dapo_ops.group_advantages`.
-
-    ``scores = token_level_rewards.sum(-1)`` grouped by ``index`` (verl's ``uid`` array,
-    any hashable values); ``(score - mean) / (std + epsilon)`` with the unbiased std, or
-    ``score - mean`` when ``norm_adv_by_std_in_grpo`` is off (read from ``config``, the
-    algorithm config, when given); a one-sample group keeps its raw score, as in verl.
-    Returns ``(advantages, returns)``, both the advantage broadcast over ``response_mask``.
-    """
-    if config is not None:
-        norm_adv_by_std_in_grpo = bool(
-            _config_value(config, "norm_adv_by_std_in_grpo", norm_adv_by_std_in_grpo)
-        )
-    scores = token_level_rewards.sum(dim=-1)
-    lookup: dict[Hashable, int] = {}
-    ids = [lookup.setdefault(uid, len(lookup)) for uid in index]
-    if len(ids) != scores.shape[0]:
-        raise InputError(f"index has {len(ids)} entries for {scores.shape[0]} responses")
-    group_ids = torch.tensor(ids, dtype=torch.long, device=scores.device)
-    with torch.no_grad():
-        adv = group_advantages(
-            scores,
-            group_ids,
-            scale="group" if norm_adv_by_std_in_grpo else "none",
-            eps=epsilon,
-            singleton="score",
-        )
-        adv = adv.to(scores.dtype).unsqueeze(-1) * response_mask
-    return adv, adv
-
-
 def register(loss_name: str = LOSS_NAME, adv_estimator_name: str = ADV_ESTIMATOR_NAME) -> None:
     """Register :func:`compute_policy_loss`, :func:`compute_grpo_outcome_advantage` and the
     other ``dapo_ops_*`` losses and estimators in verl.
@@ -219,12 +119,7 @@ def register(loss_name: str = LOSS_NAME, adv_estimator_name: str = ADV_ESTIMATOR
     from verl.trainer.ppo import core_algos
 
     core_algos.register_policy_loss(loss_name)(compute_policy_loss)
-    from dapo_ops.integrations.verl_losses import register_all  # it imports this module
-
     register_all()
-    from dapo_ops.integrations.verl_advantages import register_advantages
-    from dapo_ops.integrations.verl_estimators import register_estimators
-
     register_advantages()
     register_estimators()
     # register_adv_est refuses a second function under a name (a reloaded module's).

@@ -40,7 +40,7 @@ from dapo_ops._rules import masked
 from dapo_ops._validate import InputError
 from dapo_ops.advantages import group_advantages
 from dapo_ops.estimators import gdpo_advantages, gpg_advantages, opo_advantages, passk_advantages
-from dapo_ops.integrations.verl import _config_value, compute_grpo_outcome_advantage
+from dapo_ops.integrations._verl_common import _config_value
 from dapo_ops.integrations.verl_estimators import group_ids
 from dapo_ops.returns import (
     gae_advantages,
@@ -67,6 +67,45 @@ def _spread(adv: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
     """One advantage per response, broadcast over its valid tokens: ``(adv, adv)``."""
     out = masked(valid, adv[:, None].expand(valid.shape))
     return out, out
+
+
+def compute_grpo_outcome_advantage(
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    index: Iterable[Hashable],
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+    config: Any = None,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor]:
+    """verl advantage estimator: GRPO outcome advantage via :func:`dapo_ops.group_advantages`.
+
+    ``scores = token_level_rewards.sum(-1)`` grouped by ``index`` (verl's ``uid`` array,
+    any hashable values); ``(score - mean) / (std + epsilon)`` with the unbiased std, or
+    ``score - mean`` when ``norm_adv_by_std_in_grpo`` is off (read from ``config``, the
+    algorithm config, when given); a one-sample group keeps its raw score, as in verl.
+    Returns ``(advantages, returns)``, both the advantage broadcast over ``response_mask``.
+    """
+    if config is not None:
+        norm_adv_by_std_in_grpo = bool(
+            _config_value(config, "norm_adv_by_std_in_grpo", norm_adv_by_std_in_grpo)
+        )
+    scores = token_level_rewards.sum(dim=-1)
+    lookup: dict[Hashable, int] = {}
+    ids = [lookup.setdefault(uid, len(lookup)) for uid in index]
+    if len(ids) != scores.shape[0]:
+        raise InputError(f"index has {len(ids)} entries for {scores.shape[0]} responses")
+    group_ids = torch.tensor(ids, dtype=torch.long, device=scores.device)
+    with torch.no_grad():
+        adv = group_advantages(
+            scores,
+            group_ids,
+            scale="group" if norm_adv_by_std_in_grpo else "none",
+            eps=epsilon,
+            singleton="score",
+        )
+        adv = adv.to(scores.dtype).unsqueeze(-1) * response_mask
+    return adv, adv
 
 
 def compute_gae_advantage_return(

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from dapo_ops._validate import InputError
 from dapo_ops.importance import rejection_mask, truncated_is_weights
-from dapo_ops.integrations.verl import _config_value
+from dapo_ops.integrations._verl_common import _config_value
 from dapo_ops.integrations.verl_composed import _aggregation, _masked_mean
 from dapo_ops.objectives import PolicyGradient
 from dapo_ops.offpolicy import offpolicy_metrics

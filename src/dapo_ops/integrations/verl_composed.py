@@ -32,7 +32,7 @@ from torch import Tensor
 
 from dapo_ops._validate import InputError
 from dapo_ops.cov_masks import clip_cov_candidates, first_k, kl_cov_mask
-from dapo_ops.integrations.verl import _config_value, verl_aggregation
+from dapo_ops.integrations._verl_common import _config_value, verl_aggregation
 from dapo_ops.kl import KLPenalty
 from dapo_ops.objectives import ClipHigher, RatioSurrogate
 from dapo_ops.policy import policy_loss

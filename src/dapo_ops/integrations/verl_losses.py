@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from dapo_ops._validate import InputError
-from dapo_ops.integrations.verl import _config_value, ppo_kl, verl_aggregation
+from dapo_ops.integrations._verl_common import _config_value, ppo_kl, verl_aggregation
 from dapo_ops.objectives import (
     CISPO,
     DPPO,
