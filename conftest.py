@@ -7,7 +7,16 @@
   ``ValueError`` as well as a ``TypeError`` here, the contract of
   ``dapo_ops.InputError``, so tests see the same error contract with and without the
   runtime checker.
+- Checked mode (``dapo_ops.checked``) is on for the whole suite: ``DAPO_OPS_CHECKED=1`` is
+  set here, before dapo_ops is first imported (it reads the variable once, at import), and
+  inherited by the subprocesses the suite starts (examples, demo, distributed workers).
+  Run ``DAPO_OPS_CHECKED=0 pytest`` to test the default path instead. The tests that need
+  the mode off (host-sync counts, the off path itself) say so with ``checked(False)``.
 """
+
+import os
+
+os.environ.setdefault("DAPO_OPS_CHECKED", "1")
 
 import jaxtyping
 import jaxtyping._decorator

@@ -11,6 +11,7 @@ aggregation + sampling) live in :mod:`dapo_ops.presets` (``presets.DAPO``, ...).
 """
 
 from dapo_ops import presets
+from dapo_ops._checked import checked
 from dapo_ops._validate import InputError
 from dapo_ops.advantages import group_advantages
 from dapo_ops.aggregation import PartialLoss, aggregate_partial, token_level_aggregate
@@ -104,6 +105,7 @@ __all__ = [
     "adaptive_entropy_coef",
     "aggregate_partial",
     "batch_diagnostics",
+    "checked",
     "cispo_surrogate",
     "clip_cov_mask",
     "clip_higher_surrogate",

@@ -10,6 +10,7 @@ from einops import rearrange
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
+from dapo_ops._checked import checks_values
 from dapo_ops._rules import AGGREGATION_MODES, AggregationMode, Normalizer, compute_dtype
 from dapo_ops._validate import (
     InputError,
@@ -70,6 +71,7 @@ def safe_divide(num: Tensor, den: Tensor | float) -> Tensor:
     return num / torch.where(den_t == 0, torch.ones_like(den_t), den_t)
 
 
+@checks_values
 def aggregate_partial(
     per_token_loss: Float[Tensor, "batch seq"],
     mask: Bool[Tensor, "batch seq"] | Integer[Tensor, "batch seq"],
@@ -125,6 +127,7 @@ def aggregate_partial(
     return PartialLoss(seq_sum.sum() / length, num_seqs)
 
 
+@checks_values
 def token_level_aggregate(
     per_token_loss: Float[Tensor, "batch seq"],
     mask: Bool[Tensor, "batch seq"] | Integer[Tensor, "batch seq"],

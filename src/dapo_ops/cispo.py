@@ -5,12 +5,14 @@ from __future__ import annotations
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
+from dapo_ops._checked import checks_values
 from dapo_ops._rules import LOG_RATIO_CLAMP
 from dapo_ops._validate import InputError
 from dapo_ops.objectives import CISPO
 from dapo_ops.surrogate import per_token_loss
 
 
+@checks_values
 def cispo_surrogate(
     logp: Float[Tensor, "batch seq"],
     old_logp: Float[Tensor, "batch seq"],

@@ -21,6 +21,7 @@ import torch
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
+from dapo_ops._checked import checks_values
 from dapo_ops._engine import LossInputs, LossSpec, fused_loss, generic_terms, policy_tensors
 from dapo_ops._rules import AGGREGATION_MODES, AggregationMode, Normalizer, compute_dtype
 from dapo_ops._validate import InputError, check_option
@@ -61,7 +62,8 @@ class CompiledPolicyLoss:
     checks), traced and compiled (inductor: a few seconds; cached on disk by inductor
     across processes); later calls with it check only what cannot be part of the
     signature (the normaliser's value and the distributed rule). Values are never
-    inspected (no host sync).
+    inspected (no host sync), except in checked mode (:class:`~dapo_ops.checked`), where
+    every call checks them eagerly before the compiled graph runs.
 
     ``backend="inductor"`` exports the body with ``torch.export`` and compiles it;
     ``"eager"`` records the body's eager operations (``make_fx``: no dynamo, no compile
@@ -74,7 +76,7 @@ class CompiledPolicyLoss:
     Example:
         >>> from dapo_ops import ClipHigher
         >>> loss_fn = CompiledPolicyLoss(ClipHigher(), backend="eager")
-        >>> logp = torch.randn(4, 16, requires_grad=True)
+        >>> logp = torch.rand(4, 16).log().requires_grad_()  # log-probs: <= 0
         >>> mask = torch.rand(4, 16) > 0.3
         >>> loss_fn(logp, logp.detach(), torch.randn(4), mask).backward()
         >>> len(loss_fn.cache)  # one signature compiled
@@ -107,6 +109,7 @@ class CompiledPolicyLoss:
             raise InputError(f"CompiledPolicyLoss.kl must be a KLPenalty or None, got {self.kl!r}")
         check_option("CompiledPolicyLoss.backend", self.backend, ("inductor", "eager"))
 
+    @checks_values
     def __call__(
         self,
         logp: Float[Tensor, "batch seq"],

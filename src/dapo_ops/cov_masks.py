@@ -21,6 +21,7 @@ import torch
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
+from dapo_ops._checked import checks_values
 from dapo_ops._engine import policy_tensors
 from dapo_ops._rules import LOG_RATIO_CLAMP, masked
 from dapo_ops._validate import InputError, check_real, check_same_device
@@ -98,6 +99,7 @@ def clip_cov_candidates(
     return candidates, _selection_size(valid, fraction)
 
 
+@checks_values
 def clip_cov_mask(
     logp: Float[Tensor, "batch seq"],
     old_logp: Float[Tensor, "batch seq"],
@@ -192,6 +194,7 @@ def first_k(candidates: Tensor, keys: Tensor, k: Tensor) -> Tensor:
     return candidates & (rank < k)
 
 
+@checks_values
 def kl_cov_mask(
     logp: Float[Tensor, "batch seq"],
     advantages: Float[Tensor, " batch"] | Float[Tensor, "batch 1"] | Float[Tensor, "batch seq"],

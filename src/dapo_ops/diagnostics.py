@@ -8,6 +8,7 @@ import torch
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
+from dapo_ops._checked import checks_values
 from dapo_ops._rules import LOG_RATIO_CLAMP
 from dapo_ops._validate import (
     InputError,
@@ -121,6 +122,7 @@ class PolicyDiagnostics(NamedTuple):
         return safe_divide(self.entropy_sum, self.entropy_tokens)
 
 
+@checks_values
 def policy_diagnostics(
     logp: Float[Tensor, "batch seq"],
     old_logp: Float[Tensor, "batch seq"],
@@ -155,6 +157,7 @@ def policy_diagnostics(
     return objective_diagnostics(objective, logp, old_logp, advantages, mask, entropy=entropy)
 
 
+@checks_values
 @torch.no_grad()
 def objective_diagnostics(
     objective: Objective,
@@ -269,6 +272,7 @@ class BatchDiagnostics(NamedTuple):
         return safe_divide(self.response_tokens, self.samples)
 
 
+@checks_values
 def batch_diagnostics(
     lengths: Integer[Tensor, " batch"] | Float[Tensor, " batch"],
     *,

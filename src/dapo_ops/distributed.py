@@ -9,12 +9,14 @@ import torch
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
+from dapo_ops._checked import checks_values
 from dapo_ops._validate import InputError, as_bool_mask, check_bool, check_ndim, check_option
 from dapo_ops.aggregation import AGGREGATION_MODES, AggregationMode
 
 MaskLike = Bool[Tensor, "_batch _seq"] | Integer[Tensor, "_batch _seq"]
 
 
+@checks_values
 def global_normalizer(
     masks: MaskLike | Sequence[MaskLike],
     *,

@@ -17,6 +17,7 @@ import torch
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
+from dapo_ops._checked import checks_values
 from dapo_ops._rules import AggregationMode, Normalizer, compute_dtype
 from dapo_ops._validate import InputError, check_float, check_real, check_scalar
 from dapo_ops.aggregation import token_level_aggregate
@@ -24,6 +25,7 @@ from dapo_ops.aggregation import token_level_aggregate
 __all__ = ["EntropyCoef", "adaptive_entropy_coef", "entropy_bonus"]
 
 
+@checks_values
 def entropy_bonus(
     entropy: Float[Tensor, "batch seq"],
     mask: Bool[Tensor, "batch seq"] | Integer[Tensor, "batch seq"],

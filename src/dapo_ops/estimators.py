@@ -14,6 +14,7 @@ import torch
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
+from dapo_ops._checked import checks_values
 from dapo_ops._groups import (
     Segments,
     restore,
@@ -155,6 +156,7 @@ def passk_advantages(
     return restore(seg, torch.where(torch.isnan(best)[seg.segment], torch.nan, adv))
 
 
+@checks_values
 def gdpo_advantages(
     components: Float[Tensor, "batch components"],
     group_ids: Integer[Tensor, " batch"],

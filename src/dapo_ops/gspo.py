@@ -6,6 +6,7 @@ from einops import rearrange
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
+from dapo_ops._checked import checks_values
 from dapo_ops._engine import policy_tensors, token_inputs
 from dapo_ops._validate import check_no_grad
 from dapo_ops.objectives import GSPO
@@ -16,6 +17,7 @@ from dapo_ops.surrogate import per_token_loss
 SEQUENCE_LOG_RATIO_CLAMP = 10.0
 
 
+@checks_values
 def gspo_sequence_ratio(
     logp: Float[Tensor, "batch seq"],
     old_logp: Float[Tensor, "batch seq"],
@@ -49,6 +51,7 @@ def gspo_sequence_ratio(
     return rearrange(objective.mean_log_ratio(x).exp(), "batch 1 -> batch")
 
 
+@checks_values
 def gspo_surrogate(
     logp: Float[Tensor, "batch seq"],
     old_logp: Float[Tensor, "batch seq"],

@@ -19,6 +19,7 @@ from einops import rearrange
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
+from dapo_ops._checked import checks_values
 from dapo_ops._engine import policy_tensors
 from dapo_ops._rules import LOG_RATIO_CLAMP, masked
 from dapo_ops._validate import InputError, check_no_grad, check_option
@@ -46,6 +47,7 @@ def _masked_mean(values: Tensor, valid: Tensor) -> Tensor:
     return masked(valid, values).sum() / torch.where(count == 0, 1.0, count)
 
 
+@checks_values
 def truncated_is_weights(
     old_logp: Float[Tensor, "batch seq"],
     rollout_logp: Float[Tensor, "batch seq"],
@@ -127,6 +129,7 @@ Statistic = Literal["k1", "k2", "k3"]
 RejectionLevel = Literal["token", "seq_sum", "seq_mean", "seq_max"]
 
 
+@checks_values
 def rejection_mask(
     old_logp: Float[Tensor, "batch seq"],
     rollout_logp: Float[Tensor, "batch seq"],

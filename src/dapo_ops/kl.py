@@ -10,6 +10,7 @@ import torch
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
+from dapo_ops._checked import checks_values
 from dapo_ops._rules import LOG_RATIO_CLAMP, masked
 from dapo_ops._validate import InputError, check_no_grad, check_option
 from dapo_ops.objectives.base import check_field, check_number
@@ -105,6 +106,7 @@ class KLPenalty:
         return torch.where(keep, (weight * self.beta) * slope, 0.0)
 
 
+@checks_values
 def kl_penalty(
     logp: Float[Tensor, "batch seq"],
     ref_logp: Float[Tensor, "batch seq"],

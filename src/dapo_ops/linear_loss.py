@@ -19,6 +19,7 @@ from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 from typing_extensions import Unpack
 
+from dapo_ops._checked import checks_values
 from dapo_ops._engine import LossSpec, policy_tensors
 from dapo_ops._fused_linear import DEFAULT_FUSED_CHUNK_ELEMENTS
 from dapo_ops._linear_loss import LinearInputs, LinearPolicyLoss, LinearSpec, forward_pass
@@ -168,6 +169,7 @@ def _run(
     return loss, logp, logp.new_zeros(0) if ent is None else ent
 
 
+@checks_values
 def linear_policy_loss(
     hidden: Float[Tensor, "batch seq d"],
     weight: Float[Tensor, "vocab d"],
@@ -273,6 +275,7 @@ def linear_policy_loss(
     return _run(spec, h, w, b, t)[0]
 
 
+@checks_values
 def linear_policy_loss_with_diagnostics(
     hidden: Float[Tensor, "batch seq d"],
     weight: Float[Tensor, "vocab d"],

@@ -8,6 +8,7 @@ from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 from typing_extensions import Unpack
 
+from dapo_ops._checked import checks_values
 from dapo_ops._rules import LOG_RATIO_CLAMP, AggregationMode, Normalizer
 from dapo_ops._validate import InputError, check_bool, check_option, check_real
 from dapo_ops.diagnostics import PolicyDiagnostics
@@ -57,6 +58,7 @@ def token_level_loss(
 ) -> tuple[Tensor, PolicyDiagnostics]: ...
 
 
+@checks_values
 def token_level_loss(
     logp: Float[Tensor, "batch seq"],
     old_logp: Float[Tensor, "batch seq"],
@@ -124,7 +126,7 @@ def token_level_loss(
     :func:`token_level_aggregate` for the other options.
 
     Example:
-        >>> logp = torch.randn(4, 16, requires_grad=True)
+        >>> logp = torch.rand(4, 16).log().requires_grad_()  # log-probs: <= 0
         >>> mask = torch.rand(4, 16) > 0.3
         >>> loss = token_level_loss(logp, logp.detach(), torch.randn(4), mask)
         >>> loss.backward()

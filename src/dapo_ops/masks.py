@@ -15,6 +15,7 @@ import torch
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
+from dapo_ops._checked import checks_values
 from dapo_ops._engine import policy_tensors
 from dapo_ops._rules import masked
 from dapo_ops._validate import InputError, as_bool_mask, check_float, check_ndim, check_same_shape
@@ -58,6 +59,7 @@ def _gather_valid(values: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
     return torch.cat(all_v), torch.cat(all_ok)
 
 
+@checks_values
 def high_entropy_mask(
     entropies: Float[Tensor, "batch seq"],
     mask: Bool[Tensor, "batch seq"] | Integer[Tensor, "batch seq"],
@@ -97,6 +99,7 @@ def high_entropy_mask(
     return (masked(valid, values) >= threshold) & valid
 
 
+@checks_values
 def off_policy_sequence_mask(
     advantages: Float[Tensor, " batch"] | Float[Tensor, "batch 1"],
     logp: Float[Tensor, "batch seq"],

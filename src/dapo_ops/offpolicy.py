@@ -8,6 +8,7 @@ import torch
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
+from dapo_ops._checked import checks_values
 from dapo_ops._engine import policy_tensors
 from dapo_ops._rules import LOG_RATIO_CLAMP, masked
 from dapo_ops._validate import check_float, check_same_device, check_same_shape
@@ -32,6 +33,7 @@ class OffPolicyMetrics(NamedTuple):
     is_ess: Tensor  # effective sample size fraction of the IS weights (if given), else 1
 
 
+@checks_values
 def offpolicy_metrics(
     old_logp: Float[Tensor, "batch seq"],
     rollout_logp: Float[Tensor, "batch seq"],

@@ -15,6 +15,7 @@ import torch
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
+from dapo_ops._checked import checks_values
 from dapo_ops._groups import segment_reduce, segment_sum, segments
 from dapo_ops._rules import compute_dtype, masked
 from dapo_ops._validate import (
@@ -50,6 +51,7 @@ def _compact(valid: Tensor, *rows: Tensor) -> tuple[list[Tensor], Tensor, Tensor
     return out, front, rank.clamp(min=0)
 
 
+@checks_values
 def optimal_token_baseline_advantages(
     rewards: Float[Tensor, "batch seq"],
     old_logp: Float[Tensor, "batch seq"],

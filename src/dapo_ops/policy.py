@@ -9,6 +9,7 @@ from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 from typing_extensions import Unpack
 
+from dapo_ops._checked import checks_values
 from dapo_ops._engine import LossInputs, LossSpec, fused_loss, policy_tensors
 from dapo_ops._rules import AGGREGATION_MODES, AggregationMode, Normalizer
 from dapo_ops._validate import (
@@ -106,6 +107,7 @@ def prepare(
     return spec, tensors, den
 
 
+@checks_values
 def policy_loss(
     objective: Objective,
     logp: Float[Tensor, "batch seq"],
@@ -157,7 +159,7 @@ def policy_loss(
 
     Example:
         >>> from dapo_ops import ClipHigher, KLPenalty
-        >>> logp = torch.randn(4, 16, requires_grad=True)
+        >>> logp = torch.rand(4, 16).log().requires_grad_()  # log-probs: <= 0
         >>> mask = torch.rand(4, 16) > 0.3
         >>> loss = policy_loss(ClipHigher(), logp, logp.detach(), torch.randn(4), mask)
         >>> loss.backward()
@@ -178,6 +180,7 @@ def policy_loss(
     return fused_loss(spec, tensors, den)
 
 
+@checks_values
 def policy_loss_with_diagnostics(
     objective: Objective,
     logp: Float[Tensor, "batch seq"],

@@ -14,6 +14,7 @@ import torch
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
+from dapo_ops._checked import checks_values
 from dapo_ops._rules import compute_dtype, masked
 from dapo_ops._validate import (
     InputError,
@@ -35,6 +36,7 @@ def _unit(name: str, value: object) -> float:
     return x
 
 
+@checks_values
 def masked_whiten(
     values: Float[Tensor, "batch seq"],
     mask: Bool[Tensor, "batch seq"] | Integer[Tensor, "batch seq"],
@@ -67,6 +69,7 @@ def _token_inputs(name: str, rewards: Tensor, mask: Tensor) -> tuple[Tensor, Ten
     return masked(valid, rewards.to(compute_dtype(rewards))), valid
 
 
+@checks_values
 def gae_advantages(
     rewards: Float[Tensor, "batch seq"],
     values: Float[Tensor, "batch seq"],
@@ -114,6 +117,7 @@ def gae_advantages(
     return (masked_whiten(out, valid) if whiten else masked(valid, out)), returns
 
 
+@checks_values
 def reinforce_pp_advantages(
     rewards: Float[Tensor, "batch seq"],
     mask: Bool[Tensor, "batch seq"] | Integer[Tensor, "batch seq"],
@@ -143,6 +147,7 @@ def reinforce_pp_advantages(
     return masked_whiten(returns, valid), returns
 
 
+@checks_values
 def remax_advantages(
     rewards: Float[Tensor, "batch seq"],
     baselines: Float[Tensor, " batch"],

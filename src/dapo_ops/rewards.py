@@ -7,6 +7,7 @@ from einops import rearrange
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
+from dapo_ops._checked import checks_values
 from dapo_ops._validate import (
     InputError,
     as_bool_mask,
@@ -86,6 +87,7 @@ def overlong_reward(
     return (under.to(torch.float64) / cache_len * factor).to(out_dtype)
 
 
+@checks_values
 def overlong_filter(
     mask: Bool[Tensor, "batch seq"] | Integer[Tensor, "batch seq"],
     truncated: Bool[Tensor, " batch"],

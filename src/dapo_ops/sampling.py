@@ -8,6 +8,7 @@ import torch
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
+from dapo_ops._checked import checks_values
 from dapo_ops._groups import segment_count, segment_reduce, segments
 from dapo_ops._validate import (
     InputError,
@@ -103,6 +104,7 @@ def _int_spread_exceeds(hi: Tensor, lo: Tensor, atol: float) -> Tensor:
     return wrapped | (spread > math.floor(atol))
 
 
+@checks_values
 def kept_group_fraction(
     keep: Bool[Tensor, " groups"] | Bool[Tensor, " batch"],
     group_ids: Integer[Tensor, " batch"] | None = None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
+from dapo_ops._checked import checks_values
 from dapo_ops._engine import LossSpec, policy_tensors, reference_terms
 from dapo_ops._rules import LOG_RATIO_CLAMP
 from dapo_ops._validate import InputError, check_no_grad
@@ -13,6 +14,7 @@ from dapo_ops.objectives import ClipHigher, Objective
 __all__ = ["LOG_RATIO_CLAMP", "clip_higher_surrogate", "per_token_loss"]
 
 
+@checks_values
 def per_token_loss(
     objective: Objective,
     logp: Float[Tensor, "batch seq"],
@@ -45,6 +47,7 @@ def per_token_loss(
     return reference_terms(LossSpec(objective), logp, old_logp, adv, valid)
 
 
+@checks_values
 def clip_higher_surrogate(
     logp: Float[Tensor, "batch seq"],
     old_logp: Float[Tensor, "batch seq"],
