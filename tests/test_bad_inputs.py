@@ -302,6 +302,8 @@ def build(s: Spec, batch: int = 3, seq: int = 5, seed: int = 0) -> dict[str, Any
     kwargs: dict[str, Any] = dict(s.fixed)
     for name, a in s.args.items():
         kwargs[name] = _make(a, sizes, g)
+    if {"keep", "group_ids"} <= s.args.keys():  # flat verdicts: one per group (checked mode)
+        kwargs["keep"] = (torch.rand(sizes["G"], generator=g) < 0.5)[kwargs["group_ids"]]
     return kwargs
 
 

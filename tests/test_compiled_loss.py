@@ -84,7 +84,7 @@ def test_eager_backend_is_the_fused_body_bitwise(
     adv = b.advantages if adv_layout == "batch" else b.advantages[:, None] * torch.rand(5, 11)
     kw: dict[str, Any] = {}
     if extra.get("ref"):
-        kw["ref_logp"] = (b.logp + torch.randn(5, 11, generator=g) * 0.3).to(dtype)
+        kw["ref_logp"] = (-(b.logp + torch.randn(5, 11, generator=g) * 0.3).abs()).to(dtype)
     if extra.get("is_weights"):
         kw["is_weights"] = torch.rand(5, 11, generator=g).to(dtype)
     if extra.get("kl_weights"):
@@ -108,7 +108,7 @@ def test_inductor_within_the_derived_bounds() -> None:
     b = make_batch(6, 40, 4)
     loss_fn = CompiledPolicyLoss(ClipHigher(dual_clip=3.0))
     for seed in (0, 1):  # the second call reuses the compiled code
-        logp = b.logp + seed * 0.01
+        logp = b.logp - seed * 0.01  # log-probs stay <= 0
         loss, grad = _loss_and_grad(loss_fn, logp, b.old_logp, b.advantages, b.mask)
         want = exact(logp, b.old_logp, b.advantages, b.mask, torch.float32, dual_clip=3.0)
         assert_loss_close(loss, want, "inductor loss")
@@ -116,7 +116,8 @@ def test_inductor_within_the_derived_bounds() -> None:
     assert len(loss_fn.cache) == 1
     grpo = dapo_ops.presets.GRPO
     g = torch.Generator().manual_seed(2)
-    ref, w = b.logp + torch.randn(6, 40, generator=g) * 0.2, torch.rand(6, 40, generator=g) * 2
+    ref = -(b.logp + torch.randn(6, 40, generator=g) * 0.2).abs()  # log-probs: <= 0
+    w = torch.rand(6, 40, generator=g) * 2
     loss_fn = CompiledPolicyLoss(grpo.objective, mode=grpo.mode, kl=grpo.kl)
     loss, _ = _loss_and_grad(
         loss_fn, b.logp, b.old_logp, b.advantages, b.mask, ref_logp=ref, is_weights=w

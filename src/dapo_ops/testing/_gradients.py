@@ -85,7 +85,7 @@ def check_fused_gradient(
     if kl_and_is_weights:
         g = torch.Generator().manual_seed(2)
         noise = torch.randn(b.logp.shape, generator=g, dtype=torch.float64)
-        extra["ref_logp"] = (b.logp.double() + 0.3 * noise).to(b.logp.dtype)
+        extra["ref_logp"] = (-(b.logp.double() + 0.3 * noise).abs()).to(b.logp.dtype)  # <= 0
         extra["kl"] = KLPenalty(beta=0.1)
         extra["is_weights"] = (torch.rand(b.logp.shape, generator=g) + 0.5).to(b.logp.dtype)
     args = (b.old_logp, b.advantages, b.mask)

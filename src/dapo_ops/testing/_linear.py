@@ -49,7 +49,8 @@ def check_linear_loss(
     weight = torch.randn(vocab, 5, generator=g, dtype=torch.float64)
     bias = torch.randn(vocab, generator=g, dtype=torch.float64)
     tokens = torch.randint(0, vocab, (n, seq), generator=g)
-    ref = (b.logp.double() + 0.3 * torch.randn(n, seq, generator=g, dtype=torch.float64)).detach()
+    noise = 0.3 * torch.randn(n, seq, generator=g, dtype=torch.float64)
+    ref = -(b.logp.double() + noise).abs()  # reflected at 0: log-probs
     rho = torch.rand(n, seq, generator=g, dtype=torch.float64) + 0.5
     kl, coef = KLPenalty(beta=0.1), 0.03
 

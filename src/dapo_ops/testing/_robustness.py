@@ -90,7 +90,8 @@ def check_compiled_policy_loss(
         raise AssertionError(f"{_name(objective)}: CompiledPolicyLoss accepted no analytic grad")
     b = _default(objective, batch, torch.float32)
     g = torch.Generator().manual_seed(3)
-    ref_logp = b.logp + 0.3 * torch.randn(b.logp.shape, generator=g, dtype=b.logp.dtype)
+    noise = 0.3 * torch.randn(b.logp.shape, generator=g, dtype=b.logp.dtype)
+    ref_logp = -(b.logp + noise).abs()  # reflected at 0: log-probs
     rho = (torch.rand(b.logp.shape, generator=g) + 0.5).to(b.logp.dtype)
     kl = KLPenalty(beta=0.1) if kl_and_is_weights else None
     ref_or_none, rho_or_none = (ref_logp, rho) if kl else (None, None)
