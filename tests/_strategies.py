@@ -22,9 +22,10 @@ def make_batch(
     g = torch.Generator().manual_seed(seed)
     old = -torch.rand(batch, seq, generator=g, dtype=torch.float64) * 4 - 0.01
     logp = old + torch.randn(batch, seq, generator=g, dtype=torch.float64) * spread
-    # log-probs are <= 0 (checked mode checks it): where logp > 0, move both down by logp,
-    # which keeps the log-ratio (large positive ones included)
-    shift = logp.clamp(min=0.0)
+    # log-probs are <= 0 (checked mode checks it): where logp > -0.01, move both down to
+    # logp = -0.01 (a margin for gradcheck's steps), which keeps the log-ratio (large
+    # positive ones included)
+    shift = (logp + 0.01).clamp(min=0.0)
     logp, old = logp - shift, old - shift
     adv = torch.randn(batch, generator=g, dtype=torch.float64)
     lengths = torch.randint(0, seq + 1, (batch,), generator=g)

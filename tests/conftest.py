@@ -101,9 +101,11 @@ def _unwrap_dataclass_inits() -> None:
     fine. The fields are validated by each class's own ``__post_init__`` either way.
     """
     import dataclasses
+    import inspect
     import sys
 
     import dapo_ops  # noqa: F401  (imports every module that defines a dataclass)
+    from dapo_ops._checked import checks_values
 
     modules = [m for n, m in sys.modules.items() if n.startswith("dapo_ops")]
     for module in modules:
@@ -111,7 +113,10 @@ def _unwrap_dataclass_inits() -> None:
             if isinstance(value, type) and dataclasses.is_dataclass(value):
                 for name, attr in list(vars(value).items()):
                     if callable(attr) and hasattr(attr, "__wrapped__"):
-                        setattr(value, name, attr.__wrapped__)
+                        plain = attr.__wrapped__
+                        if getattr(attr, "__dapo_checked__", False):  # checked mode's stays
+                            plain = checks_values(inspect.unwrap(attr))
+                        setattr(value, name, plain)
 
 
 _unwrap_dataclass_inits()

@@ -233,6 +233,7 @@ def _no_sync_calls(b: Batch) -> dict[str, Callable[[], object]]:
 
 
 @CUDA
+@d.checked(False)  # checked mode reads values on the host by design
 def test_no_host_sync_where_none_is_promised() -> None:
     """``torch.cuda.set_sync_debug_mode('error')`` around the loss path and the
     diagnostics: an ``.item()``, a ``nonzero``, a blocking copy to the host raises."""
@@ -292,6 +293,7 @@ def _on_cuda(value: Any) -> Any:
 
 
 @CUDA
+@d.checked(False)  # checked mode reads values on the host by design
 def test_every_public_function_runs_on_cuda() -> None:
     """Every function of the bad-input registry (so every public function) with valid
     arguments on the GPU: its tensors come back on the GPU, finite where the CPU's are,

@@ -233,8 +233,8 @@ def test_grpo_preset_is_the_composition() -> None:
     composition, in float64, within the bound of two evaluations of one formula."""
     g = torch.Generator().manual_seed(5)
     logp = -torch.rand(4, 9, generator=g, dtype=F64) * 3
-    old = logp + torch.randn(4, 9, generator=g, dtype=F64) * 0.2
-    ref = logp + torch.randn(4, 9, generator=g, dtype=F64) * 0.2
+    old = -(logp + torch.randn(4, 9, generator=g, dtype=F64) * 0.2).abs()  # log-probs: <= 0
+    ref = -(logp + torch.randn(4, 9, generator=g, dtype=F64) * 0.2).abs()
     w = torch.rand(4, 9, generator=g, dtype=F64) * 2
     mask = torch.rand(4, 9, generator=g) > 0.3
     adv = torch.randn(4, generator=g, dtype=F64)

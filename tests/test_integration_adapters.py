@@ -59,8 +59,8 @@ def test_trl_dapo_normaliser_is_the_global_normaliser() -> None:
 
 def test_trl_policy_loss_ignores_masked_garbage_with_kl() -> None:
     torch.manual_seed(0)
-    logp = torch.randn(2, 4, requires_grad=True)
-    old = logp.detach() + 0.3 * torch.randn(2, 4)
+    logp = (-3 * torch.rand(2, 4)).requires_grad_()  # log-probs: <= 0
+    old = -(logp.detach() + 0.3 * torch.randn(2, 4)).abs()
     ref = logp.detach() - 0.2
     mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0]])
     old[0, 3], ref[1, 3] = float("nan"), float("inf")
@@ -75,7 +75,7 @@ def test_trl_policy_loss_ignores_masked_garbage_with_kl() -> None:
 
 def test_trl_delta_is_the_dual_clip() -> None:
     torch.manual_seed(1)
-    logp, old = torch.randn(4, 6), torch.randn(4, 6)
+    logp, old = -torch.randn(4, 6).abs(), -torch.randn(4, 6).abs()  # log-probs: <= 0
     adv, mask = torch.randn(4), torch.ones(4, 6, dtype=torch.bool)
     loss, _ = trl_adapter.trl_policy_loss(
         logp, old, adv, mask, loss_type="bnpo", delta=2.0, epsilon_high=0.28
@@ -106,7 +106,9 @@ def test_trl_delta_and_sequence_level_match_trls_formula(delta: float | None, le
     gradient (bnpo: the local token mean)."""
     g = torch.Generator().manual_seed(3)
     old = -torch.rand(5, 7, generator=g, dtype=torch.float64) * 3
-    logp = (old + 0.4 * torch.randn(5, 7, generator=g, dtype=torch.float64)).requires_grad_()
+    logp = (
+        -(old + 0.4 * torch.randn(5, 7, generator=g, dtype=torch.float64)).abs()
+    ).requires_grad_()
     adv = torch.randn(5, generator=g, dtype=torch.float64)
     mask = torch.arange(7) < torch.tensor([7, 3, 0, 5, 1])[:, None]
     loss, _ = trl_adapter.trl_policy_loss(
@@ -127,7 +129,9 @@ def test_trl_cispo_cap_below_one_and_vespo_with_vllm_ratio() -> None:
     folded into its weight, against TRL's formulas in float64."""
     g = torch.Generator().manual_seed(4)
     old = -torch.rand(4, 6, generator=g, dtype=torch.float64) * 3
-    logp = (old + 0.5 * torch.randn(4, 6, generator=g, dtype=torch.float64)).requires_grad_()
+    logp = (
+        -(old + 0.5 * torch.randn(4, 6, generator=g, dtype=torch.float64)).abs()
+    ).requires_grad_()
     adv = torch.randn(4, generator=g, dtype=torch.float64)
     mask = torch.arange(6) < torch.tensor([6, 2, 4, 0])[:, None]
     n = int(mask.sum())
@@ -192,7 +196,7 @@ def test_verl_aggregation_refuses_a_missing_global_count_under_dp() -> None:
 
 def test_verl_policy_loss_with_a_plain_dict_config() -> None:
     torch.manual_seed(2)
-    logp, old, adv = torch.randn(3, 5), torch.randn(3, 5), torch.randn(3, 5)
+    logp, old, adv = -torch.randn(3, 5).abs(), -torch.randn(3, 5).abs(), torch.randn(3, 5)
     mask = torch.tensor([[1.0] * 5, [1.0, 1.0, 0, 0, 0], [0.0] * 5])
     config = {"clip_ratio": 0.2, "clip_ratio_high": 0.28, "global_batch_info": {}}
     loss, metrics = verl_adapter.compute_policy_loss(old, logp, adv, mask, "token-mean", config)
@@ -207,7 +211,7 @@ def test_verl_policy_loss_with_a_plain_dict_config() -> None:
 def _openrlhf_batch(seed: int) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
     old = -torch.rand(5, 7, generator=g, dtype=torch.float64) * 3
-    logp = old + 0.6 * torch.randn(5, 7, generator=g, dtype=torch.float64)
+    logp = -(old + 0.6 * torch.randn(5, 7, generator=g, dtype=torch.float64)).abs()
     adv = torch.randn(5, 7, generator=g, dtype=torch.float64)  # per token, varying
     mask = torch.arange(7) < torch.tensor([7, 3, 0, 5, 1])[:, None]
     return logp, old, adv, mask

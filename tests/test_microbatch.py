@@ -95,7 +95,9 @@ def build(split: Split) -> tuple[dict[str, torch.Tensor], list[int], int]:
     logp = -3 * torch.rand(rows, MAX_LEN, generator=gen, dtype=split.dtype)
     tensors = {
         "logp": logp,
-        "old_logp": logp + 0.4 * torch.randn(rows, MAX_LEN, generator=gen, dtype=split.dtype),
+        "old_logp": -(
+            logp + 0.4 * torch.randn(rows, MAX_LEN, generator=gen, dtype=split.dtype)
+        ).abs(),
         "advantages": torch.randn(rows, generator=gen, dtype=split.dtype),
         "mask": mask,
     }

@@ -34,7 +34,7 @@ def test_gspo_equals_token_ppo_when_token_ratios_are_equal(
     g = torch.Generator().manual_seed(seed)
     # Dyadic values (multiples of 2^-10, |x| < 16): logp - old_logp is then exactly the
     # per-sequence log-ratio in float32, so every token's ratio is exp of the same number.
-    old = torch.round(b.old_logp * 1024) / 1024
+    old = torch.round(b.old_logp * 1024) / 1024 - 4  # logp = old + per_seq stays < 0
     per_seq = torch.round(torch.randn(batch, 1, generator=g) * shift * 1024) / 1024
     logp = (old + per_seq).requires_grad_(True)
     assert torch.equal(
@@ -286,7 +286,7 @@ def paper_loss(
 @given(b=policy_batches())
 def test_presets_reproduce_their_papers(name: str, b: PolicyBatch) -> None:
     preset = d.presets.PRESETS[name]
-    ref = b.old_logp + 0.1
+    ref = b.old_logp - 0.1
     got = preset.loss(
         b.logp,
         b.old_logp,
@@ -496,18 +496,16 @@ def test_gspo_verl_clamp_reproduces_verl_and_differs_for_large_ratios() -> None:
     b = make_batch(4, 6, 21, dtype=torch.float64)
     mask = b.mask.clone()
     mask[:, 0] = True
-    logp = b.logp.clone()
-    logp[0] = b.old_logp[0] + 12.0  # log s = 12 > 10: verl's clamp acts, and cuts the gradient
+    logp, old = b.logp.clone(), b.old_logp.clone()
+    old[0] = logp[0] - 12.0  # log s = 12 > 10: verl's clamp acts, and cuts the gradient
     adv = torch.tensor([-1.0, 0.5, -0.3, 2.0], dtype=torch.float64)
     grads = {}
     for name, fn in {
-        "verl": lambda lp: verl_gspo_token_mean(lp, b.old_logp, adv, mask),
+        "verl": lambda lp: verl_gspo_token_mean(lp, old, adv, mask),
         "ours(verl_clamp)": lambda lp: d.policy_loss(
-            d.GSPO(verl_clamp=True), lp, b.old_logp, adv, mask, mode="seq_mean_token_mean"
+            d.GSPO(verl_clamp=True), lp, old, adv, mask, mode="seq_mean_token_mean"
         ),
-        "ours": lambda lp: d.policy_loss(
-            d.GSPO(), lp, b.old_logp, adv, mask, mode="seq_mean_token_mean"
-        ),
+        "ours": lambda lp: d.policy_loss(d.GSPO(), lp, old, adv, mask, mode="seq_mean_token_mean"),
     }.items():
         lp = logp.clone().requires_grad_(True)
         value = fn(lp)
@@ -521,7 +519,7 @@ def test_gspo_verl_clamp_reproduces_verl_and_differs_for_large_ratios() -> None:
     # K f + gamma(K + numel) of sum m_t; so the two evaluations within twice that of each
     # other. Where s_i lies within that of a clip bound, or log s_i of verl's clamp, one
     # may cut the gradient and the other not: there the gradient's bound is the whole m_t.
-    dd = torch.where(mask, logp - b.old_logp, 0.0)
+    dd = torch.where(mask, logp - old, 0.0)
     n_i = mask.sum(-1, keepdim=True)
     log_s = dd.sum(-1, keepdim=True) / n_i
     s = log_s.clamp(max=10.0).exp()

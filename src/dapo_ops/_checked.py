@@ -16,7 +16,7 @@ unset: off); ``with checked():`` / ``with checked(False):`` change it for a bloc
 Under ``torch.compile`` the checks are skipped while tracing (as the other value checks
 of dapo_ops are): reading a value there would break the graph, an error under
 ``fullgraph=True``. The functions that compile internally (``policy_loss(compiled=True)``,
-:class:`~dapo_ops.CompiledPolicyLoss`) run the checks eagerly before their compiled graph.
+:class:`~dapo_ops.CompiledPolicyLoss`) run the checks eagerly, outside their compiled graph.
 """
 
 from __future__ import annotations
@@ -69,8 +69,10 @@ class checked(contextlib.ContextDecorator):  # lowercase, like torch.no_grad
       advantage: in a row with a valid token);
     - per-sample verdicts ``keep`` disagree within a group of ``group_ids``.
 
-    Masked positions are never read. All checks of one call cost one host read; a public
-    function called by another is checked once, at the outermost call.
+    Masked positions are never read. The values are checked when the call returns, so a
+    call's own errors (shapes, dtypes, options) come first, as without the mode. All
+    checks of one call cost one host read; a public function called by another is
+    checked once, at the outermost call.
 
     Use it as a context manager or a decorator (nesting works: the innermost wins);
     ``checked(False)`` turns it off inside. ``DAPO_OPS_CHECKED=1`` in the environment
@@ -109,10 +111,26 @@ class checked(contextlib.ContextDecorator):  # lowercase, like torch.no_grad
         return _ON.get()
 
 
+def check_inputs(**arguments: object) -> None:
+    """In checked mode, the value checks of ``arguments`` (role name -> value), for a
+    caller that then passes derived tensors to public functions under ``checked(False)``:
+    an adapter of :mod:`dapo_ops.integrations` whose ``old_logp`` is a device for a
+    sequence ratio (``logp - log s``), not log-probabilities."""
+    if not is_compiling() and _ON.get():
+        check_values(arguments)
+
+
 def checks_values(fn: Callable[P, R]) -> Callable[P, R]:
-    """Decorate a public function: in checked mode, check its role arguments' values
-    (:func:`dapo_ops._value_checks.check_values`), then run it with checked mode off
-    (what it calls gets arguments it made or already checked)."""
+    """Decorate a public function: in checked mode, run it with checked mode off (what it
+    calls gets arguments it made or that are checked here), then check its role
+    arguments' values (:func:`dapo_ops._value_checks.check_values`) before returning.
+
+    Checking after the call keeps the function's own errors (shapes, dtypes, options)
+    first, as without checked mode: the mode only refuses calls that would succeed, and
+    a collective (``global_normalizer``'s ``all_reduce``) runs on every rank before one
+    of them raises. A raw error of the call (not a ``ValueError`` or ``TypeError``: those
+    are the caller's errors, ``InputError`` included) is replaced by the value error that
+    explains it, if there is one."""
     signature = inspect.signature(fn)
     roles = ROLE_NAMES & signature.parameters.keys()
     var_kw = [p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD]
@@ -129,12 +147,21 @@ def checks_values(fn: Callable[P, R]) -> Callable[P, R]:
             return fn(*args, **kwargs)
         for name in var_kw:
             arguments.update(arguments.pop(name, {}))
-        check_values(arguments)
         token = _ON.set(False)
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
+        except (ValueError, TypeError):
+            raise  # the call's own error (InputError, an annotation checker's) comes first
+        except Exception as raw:  # a raw error: a bad value may be its cause, name it if so
+            try:
+                check_values(arguments)
+            except InputError as error:
+                raise error from raw
+            raise
         finally:
             _ON.reset(token)
+        check_values(arguments)
+        return result
 
     wrapper.__dapo_checked__ = True  # type: ignore[attr-defined]
     return wrapper

@@ -63,7 +63,7 @@ class CompiledPolicyLoss:
     across processes); later calls with it check only what cannot be part of the
     signature (the normaliser's value and the distributed rule). Values are never
     inspected (no host sync), except in checked mode (:class:`~dapo_ops.checked`), where
-    every call checks them eagerly before the compiled graph runs.
+    every call checks them eagerly, outside the compiled graph.
 
     ``backend="inductor"`` exports the body with ``torch.export`` and compiles it;
     ``"eager"`` records the body's eager operations (``make_fx``: no dynamo, no compile

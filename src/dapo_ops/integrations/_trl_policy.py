@@ -9,6 +9,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from dapo_ops._checked import check_inputs, checked
 from dapo_ops._rules import LOG_RATIO_CLAMP, compute_dtype, masked
 from dapo_ops._validate import InputError
 from dapo_ops.aggregation import token_level_aggregate
@@ -164,19 +165,25 @@ def trl_policy_loss(
     weights = terms.weights
     if weights is not None and terms.old_logp.dtype == torch.float64:
         weights = weights.double()
-    loss, diagnostics = policy_loss_with_diagnostics(
-        terms.objective,
-        per_token_logps,
-        terms.old_logp,
-        advantages,
-        mask,
-        mode=mode,
-        normalizer=normalizer,
-        max_len=max_len,
-        ref_logp=ref_per_token_logps if kl_in_loss else None,
-        kl=KLPenalty(beta=beta, estimator="k3") if kl_in_loss else None,
-        is_weights=weights,
+    # checked mode: the caller's tensors here; terms.old_logp may be logp - log s (not
+    # log-probs), so the call itself runs unchecked
+    check_inputs(
+        logp=per_token_logps, old_logp=old_per_token_logps, advantages=advantages, mask=mask
     )
+    with checked(False):
+        loss, diagnostics = policy_loss_with_diagnostics(
+            terms.objective,
+            per_token_logps,
+            terms.old_logp,
+            advantages,
+            mask,
+            mode=mode,
+            normalizer=normalizer,
+            max_len=max_len,
+            ref_logp=ref_per_token_logps if kl_in_loss else None,
+            kl=KLPenalty(beta=beta, estimator="k3") if kl_in_loss else None,
+            is_weights=weights,
+        )
     loss = loss.to(compute_dtype(per_token_logps, old_per_token_logps))
     if beta != 0.0 and ref_per_token_logps is not None and use_bias_correction_kl:
         kl = kl_penalty(per_token_logps, ref_per_token_logps, mask, estimator="k3")

@@ -52,6 +52,7 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
+from dapo_ops._checked import check_inputs, checked
 from dapo_ops._rules import LOG_RATIO_CLAMP, AggregationMode, compute_dtype, masked
 from dapo_ops._validate import InputError, check_option
 from dapo_ops.aggregation import safe_divide
@@ -171,7 +172,10 @@ def openrlhf_policy_loss(
         base = rollout_log_probs if correcting else old_log_probs
         assert base is not None
         log_s = sequence_log_ratio(log_probs, base, valid)
-        loss = _gspo_loss(objective, log_probs, log_s, adv, valid, normalizer)
+        # checked mode: the caller's tensors here; _gspo_loss's old is logp - log s
+        check_inputs(logp=log_probs, old_logp=base, advantages=adv, mask=action_mask)
+        with checked(False):
+            loss = _gspo_loss(objective, log_probs, log_s, adv, valid, normalizer)
         ratio = log_s.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().to(dtype).expand_as(raw)
     else:
         weights = None
