@@ -23,7 +23,7 @@ costs more.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import NamedTuple
+from typing import NamedTuple, TypeGuard
 
 import torch
 from torch import Tensor
@@ -75,20 +75,20 @@ def _read(checks: list[_Check]) -> list[bool]:
     return [flags[i] for i in range(len(checks))]
 
 
-def _has_data(t: object) -> bool:
+def _has_data(t: object) -> TypeGuard[Tensor]:
     return isinstance(t, Tensor) and t.device.type != "meta"
 
 
-def _is_float(t: object) -> bool:
-    return _has_data(t) and t.dtype.is_floating_point  # type: ignore[union-attr]
+def _is_float(t: object) -> TypeGuard[Tensor]:
+    return _has_data(t) and t.dtype.is_floating_point
 
 
-def _is_integer_mask(t: object) -> bool:
+def _is_integer_mask(t: object) -> TypeGuard[Tensor]:
     return (
         _has_data(t)
-        and t.dtype != torch.bool  # type: ignore[union-attr]
-        and not t.dtype.is_floating_point  # type: ignore[union-attr]
-        and not t.dtype.is_complex  # type: ignore[union-attr]
+        and t.dtype != torch.bool
+        and not t.dtype.is_floating_point
+        and not t.dtype.is_complex
     )
 
 
