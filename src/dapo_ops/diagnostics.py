@@ -22,6 +22,7 @@ from dapo_ops._validate import (
 )
 from dapo_ops.aggregation import safe_divide
 from dapo_ops.objectives import ClipHigher, Objective
+from dapo_ops.objectives.base import per_sequence_advantages
 from dapo_ops.sampling import kept_group_counts
 
 
@@ -189,7 +190,7 @@ def objective_diagnostics(
     from dapo_ops._engine import policy_tensors, token_inputs  # the engine imports us
 
     adv, valid, dtype = policy_tensors(
-        logp, old_logp, advantages, mask, per_sequence=objective.level == "sequence"
+        logp, old_logp, advantages, mask, per_sequence=per_sequence_advantages(objective)
     )
     x = token_inputs(objective, logp, old_logp, adv, valid, dtype, reference=True)
     acc = torch.float64  # counts stay exact past 2**24 tokens

@@ -38,6 +38,7 @@ from dapo_ops.aggregation import check_max_len, check_normalizer
 from dapo_ops.diagnostics import PolicyDiagnostics, objective_diagnostics
 from dapo_ops.kl import KLPenalty
 from dapo_ops.objectives import ClipHigher, Objective
+from dapo_ops.objectives.base import per_sequence_advantages
 
 __all__ = [
     "LinearDiagnostics",
@@ -112,7 +113,7 @@ def _prepare(
             f"old_logp must have shape [batch, seq] = hidden's leading dims "
             f"{list(h.shape[:2])}, got {shape_str(old_logp)}"
         )
-    per_sequence = objective.level == "sequence"
+    per_sequence = per_sequence_advantages(objective)
     adv, valid, _ = policy_tensors(
         old_logp, old_logp, advantages, mask, names=("old_logp", "old_logp"),
         per_sequence=per_sequence,

@@ -22,7 +22,7 @@ from dapo_ops._validate import (
 from dapo_ops.aggregation import check_max_len, check_normalizer
 from dapo_ops.diagnostics import PolicyDiagnostics, objective_diagnostics
 from dapo_ops.kl import KLPenalty
-from dapo_ops.objectives.base import Objective
+from dapo_ops.objectives.base import Objective, per_sequence_advantages
 
 
 class PolicyOptions(TypedDict, total=False):
@@ -65,7 +65,7 @@ def prepare(
         raise InputError(f"compiled must be True or False, got {compiled!r}")
     check_option("mode", mode, AGGREGATION_MODES)
     check_max_len(max_len)
-    per_sequence = objective.level == "sequence"
+    per_sequence = per_sequence_advantages(objective)
     adv, valid, dtype = policy_tensors(logp, old_logp, advantages, mask, per_sequence=per_sequence)
     check_same_device("old_logp", old_logp, "logp", logp)
     check_same_device("advantages", advantages, "logp", logp)

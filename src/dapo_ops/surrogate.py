@@ -9,6 +9,7 @@ from dapo_ops._engine import LossSpec, policy_tensors, reference_terms
 from dapo_ops._rules import LOG_RATIO_CLAMP
 from dapo_ops._validate import InputError, check_no_grad
 from dapo_ops.objectives import ClipHigher, Objective
+from dapo_ops.objectives.base import per_sequence_advantages
 
 __all__ = ["LOG_RATIO_CLAMP", "clip_higher_surrogate", "per_token_loss"]
 
@@ -38,7 +39,7 @@ def per_token_loss(
     if not isinstance(objective, Objective):
         raise InputError(f"objective must be a dapo_ops objective value, got {objective!r}")
     adv, valid, _ = policy_tensors(
-        logp, old_logp, advantages, mask, per_sequence=objective.level == "sequence"
+        logp, old_logp, advantages, mask, per_sequence=per_sequence_advantages(objective)
     )
     check_no_grad("old_logp", old_logp)
     check_no_grad("advantages", advantages)

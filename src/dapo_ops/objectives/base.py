@@ -73,11 +73,15 @@ class Objective:
     token log-ratio before ``exp``.
 
     ``level`` is ``"token"``, or ``"sequence"`` for objectives whose ratio is per
-    sequence (GSPO): those take one advantage per sequence. ``token_local = True`` in
-    the class body declares a per-token loss that reads only its own token.
+    sequence (GSPO): those take one advantage per sequence unless the class sets
+    ``token_advantages = True`` (its :meth:`term` reads ``[batch, seq]`` advantages
+    per token, as GSPO-token and GMPO do). ``token_local = True`` in the class body
+    declares a per-token loss that reads only its own token.
     """
 
     level: ClassVar[Literal["token", "sequence"]] = "token"
+    #: A sequence-level objective that also takes ``[batch, seq]`` advantages.
+    token_advantages: ClassVar[bool] = False
     #: True when :meth:`term` and :meth:`grad` at a token read only that token's inputs
     #: (no reduction over its row), so :func:`dapo_ops.linear_policy_loss` may cut a
     #: sequence anywhere between chunks. Only a class that *declares* it counts (see
@@ -114,6 +118,11 @@ class Objective:
     def replace(self, **changes: object) -> Objective:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+def per_sequence_advantages(objective: Objective) -> bool:
+    """Whether ``objective`` takes only ``[batch]`` / ``[batch, 1]`` advantages."""
+    return objective.level == "sequence" and not objective.token_advantages
 
 
 def is_token_local(objective: Objective) -> bool:
