@@ -4,7 +4,7 @@
   registered as ``actor_rollout_ref.actor.policy_loss.loss_mode=dapo_ops``. It reads the
   actor config as verl's ``vanilla`` loss does (``clip_ratio_low`` / ``clip_ratio_high``,
   falling back to ``clip_ratio``; ``clip_ratio_c`` as the dual clip; ``loss_agg_mode``;
-  ``global_batch_info`` for the global token / sequence counts and the dp size;
+  ``global_batch_info`` for the global token / sequence counts, the dp size and
   ``loss_scale_factor``) and returns the same metrics.
 - :func:`compute_grpo_outcome_advantage` has the signature of verl's advantage estimators
   and is registered as ``algorithm.adv_estimator=dapo_ops_grpo``: verl's GRPO advantage
@@ -34,80 +34,28 @@ Example:
 from __future__ import annotations
 
 import sys
-from typing import Any
 
-import torch
-from torch import Tensor
-
-from dapo_ops._validate import InputError
-from dapo_ops.integrations._verl_common import (
-    VERL_AGG_MODES,
-    _config_value,
-    ppo_kl,
-    verl_aggregation,
-)
+from dapo_ops.integrations._verl_common import VERL_AGG_MODES, ppo_kl, verl_aggregation
 from dapo_ops.integrations.verl_advantages import (
     compute_grpo_outcome_advantage,
     register_advantages,
 )
 from dapo_ops.integrations.verl_estimators import register_estimators
-from dapo_ops.integrations.verl_losses import register_all
-from dapo_ops.loss import token_level_loss
+from dapo_ops.integrations.verl_losses import policy_loss_fn, register_all
 
 #: The names this module registers under in verl.
 LOSS_NAME = "dapo_ops"
 ADV_ESTIMATOR_NAME = "dapo_ops_grpo"
 
 
-def compute_policy_loss(
-    old_log_prob: Tensor,
-    log_prob: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Any = None,
-    rollout_is_weights: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Any]]:
-    """verl ``PolicyLossFn``: the Clip-Higher (dual-clip) PPO loss by :func:`dapo_ops.token_level_loss`.
-
-    Same arguments and result as verl's ``compute_policy_loss_vanilla``: ``[bs,
-    response_length]`` tensors, ``response_mask`` 0/1 (any dtype), ``config`` the actor
-    config; returns ``(pg_loss, {"actor/pg_clipfrac", "actor/ppo_kl",
-    "actor/pg_clipfrac_lower"})``. Fully masked rows and all-masked micro-batches give 0,
-    not NaN; masked positions may hold anything.
-    """
-    if config is None:
-        raise InputError("compute_policy_loss needs verl's actor config (config=...)")
-    clip_ratio = _config_value(config, "clip_ratio", 0.2)
-    eps_low = float(_config_value(config, "clip_ratio_low", clip_ratio))
-    eps_high = float(_config_value(config, "clip_ratio_high", clip_ratio))
-    dual_clip = float(_config_value(config, "clip_ratio_c", 3.0))
-    mode, normalizer, max_len = verl_aggregation(
-        loss_agg_mode,
-        _config_value(config, "global_batch_info", {}),
-        _config_value(config, "loss_scale_factor", None),
-    )
-    mask = response_mask if response_mask.dtype == torch.bool else response_mask != 0
-    loss, diag = token_level_loss(
-        log_prob,
-        old_log_prob,
-        advantages,
-        mask,
-        eps_low=eps_low,
-        eps_high=eps_high,
-        mode=mode,
-        normalizer=normalizer,
-        dual_clip=dual_clip,
-        max_len=max_len,
-        is_weights=rollout_is_weights,
-        return_diagnostics=True,
-    )
-    metrics = {
-        "actor/pg_clipfrac": float(diag.clip_frac_low + diag.clip_frac_high),
-        "actor/ppo_kl": ppo_kl(log_prob, old_log_prob, mask),
-        "actor/pg_clipfrac_lower": float(diag.clip_frac_dual),
-    }
-    return loss, metrics
+#: verl ``PolicyLossFn`` registered as ``loss_mode=dapo_ops``: verl's ``vanilla`` loss (the
+#: Clip-Higher, dual-clip PPO loss), the ``vanilla`` row of
+#: :data:`dapo_ops.integrations.verl_losses.TWINS`. Same arguments and result as verl's
+#: ``compute_policy_loss_vanilla`` (``[bs, response_length]`` tensors, ``response_mask``
+#: 0/1 of any dtype, ``config`` the actor config; returns ``(pg_loss, {"actor/pg_clipfrac",
+#: "actor/ppo_kl", "actor/pg_clipfrac_lower"})``). Fully masked rows and all-masked
+#: micro-batches give 0, not NaN; masked positions may hold anything.
+compute_policy_loss = policy_loss_fn("vanilla", "compute_policy_loss")
 
 
 def register(loss_name: str = LOSS_NAME, adv_estimator_name: str = ADV_ESTIMATOR_NAME) -> None:
