@@ -130,6 +130,7 @@ def snapshot_each_step(trainer: Any) -> list[dict[str, Any]]:
                     "optimizer": copy.deepcopy(optimizer.state_dict()),
                     "scheduler": copy.deepcopy(scheduler.state_dict()),
                     "lr": scheduler.get_last_lr(),
+                    "controller": (trainer.entropy_coef, trainer._last_world_entropy),
                 }
             )
 
@@ -151,8 +152,9 @@ def test_a_step_with_no_kept_group_is_skipped(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Step 1 trains (Adam gains momentum), step 2 keeps no group, step 3 trains: step 2
-    leaves weights, optimiser state and learning rate exactly as step 1 left them;
-    gradient accumulation of 2 micro-batches, a linear learning-rate decay."""
+    leaves weights, optimiser state, learning rate and TRL's adaptive entropy controller
+    exactly as step 1 left them; gradient accumulation of 2 micro-batches, a linear
+    learning-rate decay."""
     torch.manual_seed(0)
     metric = SpreadThenConstant(spread={1, 3})
     trainer = make_trainer(
@@ -165,6 +167,10 @@ def test_a_step_with_no_kept_group_is_skipped(
         max_generation_batches=1,
         max_steps=3,
         learning_rate=0.01,
+        use_adaptive_entropy=True,  # the controller: -0.01 per step (entropy above 1)
+        entropy_coef=0.05,
+        entropy_target=1.0,
+        entropy_coef_delta=0.01,
     )
     assert trainer.args.gradient_accumulation_steps == 2
     states = snapshot_each_step(trainer)
@@ -183,6 +189,8 @@ def test_a_step_with_no_kept_group_is_skipped(
         assert torch.equal(a, b)
     assert same_state(first["optimizer"], skipped["optimizer"])
     assert same_state(first["scheduler"], skipped["scheduler"]) and first["lr"] == skipped["lr"]
+    assert first["controller"] == skipped["controller"] != third["controller"]
+    assert third["controller"][0] == pytest.approx(0.03)
     # step 3 trains as a second step: Adam's step count 2, the schedule advanced once more
     assert any(
         not torch.equal(a, b) for a, b in zip(skipped["params"], third["params"], strict=True)
