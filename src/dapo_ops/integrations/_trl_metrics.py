@@ -17,17 +17,21 @@ into one entry per metric:
   ``.../max_*``) over the rounds. One round's entry is kept as TRL wrote it.
 
 ``num_tokens`` is TRL's running total (every generated token), assigned, not appended.
+:func:`log_generation` adds the ``dynamic_sampling/*`` figures.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from dapo_ops.integrations._trl_batch import _advantages_and_std, _nanstd
+from dapo_ops.integrations._trl_batch import SamplingReport, _advantages_and_std, _nanstd
+
+logger = logging.getLogger("dapo_ops.integrations.trl_sampling")
 
 _ASSIGNED = ("num_tokens",)
 _TERMINATED = (
@@ -128,3 +132,27 @@ class RoundLog:
         figures = {**combine_rounds(self.rounds), **kept_batch_metrics(trainer, kept)}
         for key, value in figures.items():
             self._metrics[key].append(value)
+
+
+def log_generation(trainer: Any, report: SamplingReport, *, generated_samples: int) -> None:
+    """The ``dynamic_sampling/*`` figures of one generation, and the partial-batch warning."""
+    kept_groups = sum(sum(v) for v in report.verdicts)
+    groups = sum(len(v) for v in report.verdicts)
+    kept_samples = report.kept_in_batch * trainer.num_generations
+    metrics = trainer._metrics["train"]
+    metrics["dynamic_sampling/kept_group_fraction"].append(kept_groups / groups)
+    metrics["dynamic_sampling/generation_batches"].append(float(report.rounds))
+    per_kept = generated_samples / kept_samples if kept_samples else math.nan
+    metrics["dynamic_sampling/samples_per_kept_sample"].append(per_kept)
+    metrics["dynamic_sampling/batch_fill"].append(report.kept_in_batch / report.target)
+    partial = report.kept_in_batch < report.target
+    metrics["dynamic_sampling/partial_batch"].append(float(partial))
+    if partial and report.kept_in_batch and trainer.accelerator.is_main_process:
+        logger.warning(
+            "dynamic sampling: %d of %d groups kept after max_generation_batches=%d "
+            "generation batches; training on the kept groups only (the rest of the batch "
+            "is masked out)",
+            report.kept_in_batch,
+            report.target,
+            report.rounds,
+        )

@@ -84,11 +84,11 @@ from dapo_ops.integrations._trl_batch import (
     token_count,
     trl_advantages,
 )
-from dapo_ops.integrations._trl_metrics import RoundLog
+from dapo_ops.integrations._trl_metrics import RoundLog, log_generation
 from dapo_ops.integrations._trl_skip import EmptyStepGuard
 from dapo_ops.sampling import dynamic_sample_mask, prompts_to_generate
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)  # its warnings: _trl_metrics, _trl_skip
 
 #: default ``max_generation_batches`` (the generation batch included), as DAPO's verl scripts
 DEFAULT_MAX_GENERATION_BATCHES = 10
@@ -238,7 +238,7 @@ class DynamicSampling:
         chosen = report.selected[: report.kept_in_batch]
         kept_rows = [rounds[r]["rewards"][i * g : (i + 1) * g] for r, i in chosen]
         log.finish(trainer, torch.cat(kept_rows) if kept_rows else rounds[0]["rewards"][:0])
-        _log(trainer, report, generated_samples=generated * g)
+        log_generation(trainer, report, generated_samples=generated * g)
         rank = acc.process_index
         local = {k: v[rank * local_rows : (rank + 1) * local_rows] for k, v in batch.items()}
         local["num_items_in_batch"] = token_count(
@@ -258,29 +258,6 @@ class DynamicSampling:
         keep = dynamic_sample_mask(metric.view(-1, trainer.num_generations))
         decided: Tensor = broadcast(keep.contiguous(), from_process=0)  # the main process's
         return decided
-
-
-def _log(trainer: Any, report: SamplingReport, *, generated_samples: int) -> None:
-    kept_groups = sum(sum(v) for v in report.verdicts)
-    groups = sum(len(v) for v in report.verdicts)
-    kept_samples = report.kept_in_batch * trainer.num_generations
-    metrics = trainer._metrics["train"]
-    metrics["dynamic_sampling/kept_group_fraction"].append(kept_groups / groups)
-    metrics["dynamic_sampling/generation_batches"].append(float(report.rounds))
-    per_kept = generated_samples / kept_samples if kept_samples else math.nan
-    metrics["dynamic_sampling/samples_per_kept_sample"].append(per_kept)
-    metrics["dynamic_sampling/batch_fill"].append(report.kept_in_batch / report.target)
-    partial = report.kept_in_batch < report.target
-    metrics["dynamic_sampling/partial_batch"].append(float(partial))
-    if partial and report.kept_in_batch and trainer.accelerator.is_main_process:
-        logger.warning(
-            "dynamic sampling: %d of %d groups kept after max_generation_batches=%d "
-            "generation batches; training on the kept groups only (the rest of the batch "
-            "is masked out)",
-            report.kept_in_batch,
-            report.target,
-            report.rounds,
-        )
 
 
 def _is_shaped(func: Any, name: str) -> bool:
