@@ -107,9 +107,12 @@ def _build_trainer_class() -> type:
           what was kept (the rest masked out, ``dynamic_sampling/partial_batch`` logged).
         - ``sampling_metric`` (default ``"accuracy"``): the reward function whose raw
           output decides, by its name in ``reward_func_names`` (``"accuracy"`` also finds
-          TRL's ``accuracy_reward``).
+          TRL's ``accuracy_reward``). Naming the overlong reward warns.
+        - ``empty_batch`` (``"skip"``, the default, or ``"raise"``): when no group is kept,
+          skip the optimiser steps without a loss token (no weight, optimiser or
+          learning-rate change; a warning) or raise ``ValueError``.
 
-        Either option given with ``dynamic_sampling=False`` raises ``InputError``.
+        Any of these options given with ``dynamic_sampling=False`` raises ``InputError``.
         ``last_dynamic_sampling`` holds the :class:`~dapo_ops.integrations.trl_sampling.SamplingReport`
         of the last generation.
 
@@ -133,14 +136,17 @@ def _build_trainer_class() -> type:
             dynamic_sampling: bool = False,
             max_generation_batches: int | None = None,
             sampling_metric: str | None = None,
+            empty_batch: str | None = None,
             **kwargs: Any,
         ) -> None:
             sampling = DynamicSampling.from_options(
-                dynamic_sampling, max_generation_batches, sampling_metric
+                dynamic_sampling, max_generation_batches, sampling_metric, empty_batch
             )
             super().__init__(*args, **kwargs)
             check_supported(self)
             self._dapo_sampling = None if sampling is None else sampling.bind(self)
+            if sampling is not None and sampling.empty_batch == "skip":
+                self.add_callback(sampling.guard.callback())
             self._dapo_rewards: Tensor | None = None
             self.last_dynamic_sampling: SamplingReport | None = None
 
@@ -154,6 +160,25 @@ def _build_trainer_class() -> type:
                 return super()._generate_and_score_completions(inputs)  # type: ignore[no-any-return]
             score = super()._generate_and_score_completions
             return self._dapo_sampling.generate(self, inputs, score)  # type: ignore[union-attr]
+
+        def _prepare_inputs(self, generation_batch: Any) -> Any:
+            inputs = super()._prepare_inputs(generation_batch)
+            if self._skips_empty_steps() and self.model.training:
+                self._dapo_sampling.guard.count(inputs)  # type: ignore[union-attr]
+            return inputs
+
+        def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Tensor:
+            if not self._skips_empty_steps():
+                return super().training_step(model, inputs, num_items_in_batch)  # type: ignore[no-any-return]
+            guard = self._dapo_sampling.guard  # type: ignore[union-attr]
+            guard.begin(self)
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            guard.end(self, self.last_dynamic_sampling)
+            return loss  # type: ignore[no-any-return]
+
+        def _skips_empty_steps(self) -> bool:
+            sampling = getattr(self, "_dapo_sampling", None)
+            return sampling is not None and sampling.empty_batch == "skip"
 
         def compute_loss(
             self,
