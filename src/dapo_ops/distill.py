@@ -141,13 +141,13 @@ def check_pair(distill: object, teacher_logp: object) -> None:
 
 
 def _inputs(
-    distill: object, logp: Tensor, teacher_logp: Tensor, mask: Tensor, adv: Tensor | None = None
-) -> tuple[TeacherKL, Tensor, Tensor, torch.dtype]:
-    """Check the inputs (metadata only); return the value, advantages, bool mask, dtype."""
+    distill: object, logp: Tensor, teacher_logp: Tensor, mask: Tensor
+) -> tuple[TeacherKL, Tensor, torch.dtype]:
+    """Check the inputs (metadata only); return the value, the bool mask, the dtype."""
     if not isinstance(distill, TeacherKL):
         raise InputError(f"distill must be a TeacherKL (e.g. TeacherKL()); got {distill!r}")
     check_float("teacher_logp", teacher_logp)
-    a, valid, _ = policy_tensors(logp, logp, adv, mask, names=("logp", "logp"))
+    _, valid, _ = policy_tensors(logp, logp, None, mask, names=("logp", "logp"))
     if teacher_logp.ndim not in (2, 3) or tuple(teacher_logp.shape[-2:]) != tuple(logp.shape):
         raise InputError(
             "teacher_logp must have shape [batch, seq] or [teachers, batch, seq] matching logp "
@@ -162,7 +162,23 @@ def _inputs(
     check_same_device("teacher_logp", teacher_logp, "logp", logp)
     check_same_device("mask", mask, "logp", logp)
     check_no_grad("teacher_logp", teacher_logp)
-    return distill, a, valid, compute_dtype(logp, teacher_logp, a)
+    return distill, valid, compute_dtype(logp, teacher_logp)
+
+
+def _task(adv: Tensor, logp: Tensor) -> Tensor:
+    """``task_advantages`` checked, as ``[batch, 1]`` or ``[batch, seq]``."""
+    check_float("task_advantages", adv)
+    batch, seq = logp.shape
+    if adv.ndim == 1 and adv.shape[0] == batch:
+        adv = rearrange(adv, "batch -> batch 1")
+    elif not (adv.ndim == 2 and adv.shape[0] == batch and adv.shape[1] in (1, seq)):
+        raise InputError(
+            f"task_advantages must have shape [batch]=[{batch}], [batch, 1] or [batch, seq]="
+            f"[{batch}, {seq}] to match logp {shape_str(logp)}; got {shape_str(adv)}"
+        )
+    check_same_device("task_advantages", adv, "logp", logp)
+    check_no_grad("task_advantages", adv)
+    return adv
 
 
 def distill_loss(
@@ -196,7 +212,7 @@ def distill_loss(
         >>> distill_loss(logp, torch.tensor([[-1.0, -1.0]]), torch.tensor([[True, True]]))
         tensor(0.3591, grad_fn=<MulBackward0>)
     """
-    d, _, valid, dtype = _inputs(distill, logp, teacher_logp, mask)
+    d, valid, dtype = _inputs(distill, logp, teacher_logp, mask)
     if d.estimator == "k1" and not d.straight_through:
         raise InputError(
             "distill=TeacherKL(estimator='k1') as a loss term: its gradient (1 per token) does "
@@ -239,14 +255,14 @@ def distill_advantages(
     Example:
         >>> distill_advantages(torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]]),
         ...                    torch.tensor([[True, False]]), distill=TeacherKL(estimator="k1"))
-        tensor([[-0.5000, 0.0000]])
+        tensor([[-0.5000,  0.0000]])
     """
-    d, adv, valid, dtype = _inputs(distill, logp, teacher_logp, mask, task_advantages)
-    if task_advantages is not None:
-        check_same_device("task_advantages", task_advantages, "logp", logp)
-        check_no_grad("task_advantages", task_advantages)
+    d, valid, dtype = _inputs(distill, logp, teacher_logp, mask)
+    task = None if task_advantages is None else _task(task_advantages, logp)
+    if task is not None:
+        dtype = compute_dtype(logp, teacher_logp, task)
     with torch.no_grad():
         reward = -d.beta * d.terms(logp.detach(), teacher_logp, valid, dtype)
-        if task_advantages is not None:
-            reward = reward + adv.to(dtype)
+        if task is not None:
+            reward = reward + task.to(dtype)
         return masked(valid, reward)
