@@ -219,3 +219,23 @@ def test_registration_is_idempotent() -> None:
     for name in verl_distill.DISTILL_NAMES:
         assert losses.get_distillation_loss_fn(name) is verl_distill.compute_distillation_loss
         assert losses.get_distillation_loss_settings(name).use_estimator
+
+
+def test_verl_external_modules_registers_the_twins() -> None:
+    """``VERL_USE_EXTERNAL_MODULES=dapo_ops.integrations.verl_distill``: verl imports the
+    module while it initialises, and a config naming ``dapo_ops_k3`` then resolves."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import verl\n"
+        "from verl.workers.config import DistillationLossConfig\n"
+        "print(DistillationLossConfig(loss_mode='dapo_ops_k3').loss_settings.use_estimator)\n"
+    )
+    env = {**os.environ, "VERL_USE_EXTERNAL_MODULES": "dapo_ops.integrations.verl_distill"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("True")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from typing import Any
 
 import torch
@@ -144,6 +145,9 @@ def register_distillation() -> None:
     settings = losses.DistillationLossSettings(names=list(DISTILL_NAMES), use_estimator=True)
     losses.register_distillation_loss(settings)(compute_distillation_loss)
 
+
+if "verl" in sys.modules:  # imported inside a verl process (e.g. VERL_USE_EXTERNAL_MODULES)
+    register_distillation()
 
 __all__ = [
     "DISTILL_NAMES",
