@@ -11,6 +11,7 @@ verl parity: tests/integration/test_verl_distill.py.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -129,7 +130,7 @@ def test_micro_batches_add_up_with_global_normalizer(seed: int, mode: str, cuts:
     )
     (g_full,) = torch.autograd.grad(full, lp)
     edges = [0, *sorted(cuts), 6]
-    parts = [slice(a, b) for a, b in zip(edges, edges[1:], strict=False)]
+    parts = [slice(a, b) for a, b in itertools.pairwise(edges)]
     den = d.global_normalizer([mask[p] for p in parts], mode=mode)  # type: ignore[arg-type]
     lp = logp.clone().requires_grad_(True)
     total = sum(
@@ -161,7 +162,10 @@ def test_gradcheck_float64(teachers: int) -> None:
         w = (0.3, 0.7) if teachers else None
         distill = TeacherKL(**{**distill.__dict__, "weights": w})
         for mode in MODES:
-            fn = lambda x: distill_loss(x, teacher, mask, distill=distill, mode=mode)  # noqa: E731
+
+            def fn(x: Any, distill: TeacherKL = distill, mode: str = mode) -> Any:
+                return distill_loss(x, teacher, mask, distill=distill, mode=mode)  # type: ignore[arg-type]
+
             assert torch.autograd.gradcheck(fn, (logp.clone().requires_grad_(True),))
 
 
