@@ -24,6 +24,7 @@ from dapo_ops.diagnostics import (
     objective_diagnostics,
     policy_diagnostics,
 )
+from dapo_ops.distill import TeacherKL, distill_advantages, distill_loss
 from dapo_ops.distributed import global_normalizer
 from dapo_ops.entropy import EntropyCoef, adaptive_entropy_coef, entropy_bonus
 from dapo_ops.estimators import (
@@ -101,12 +102,15 @@ __all__ = [
     "PolicyDiagnostics",
     "PolicyGradient",
     "RatioSurrogate",
+    "TeacherKL",
     "adaptive_entropy_coef",
     "aggregate_partial",
     "batch_diagnostics",
     "cispo_surrogate",
     "clip_cov_mask",
     "clip_higher_surrogate",
+    "distill_advantages",
+    "distill_loss",
     "dynamic_sample_mask",
     "entropy_bonus",
     "fused_logprobs_entropy",

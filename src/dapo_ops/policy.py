@@ -21,6 +21,7 @@ from dapo_ops._validate import (
 )
 from dapo_ops.aggregation import check_max_len, check_normalizer
 from dapo_ops.diagnostics import PolicyDiagnostics, objective_diagnostics
+from dapo_ops.distill import TeacherKL, check_pair, distill_loss
 from dapo_ops.kl import KLPenalty
 from dapo_ops.objectives.base import Objective, per_sequence_advantages
 
@@ -35,6 +36,8 @@ class PolicyOptions(TypedDict, total=False):
     kl: KLPenalty | None
     is_weights: Tensor | None
     kl_weights: Tensor | None
+    teacher_logp: Tensor | None
+    distill: TeacherKL | None
     compiled: bool
 
 
@@ -120,6 +123,8 @@ def policy_loss(
     kl: KLPenalty | None = None,
     is_weights: Float[Tensor, "batch seq"] | None = None,
     kl_weights: Float[Tensor, "batch seq"] | None = None,
+    teacher_logp: Float[Tensor, "batch seq"] | Float[Tensor, "teachers batch seq"] | None = None,
+    distill: TeacherKL | None = None,
     compiled: bool = False,
 ) -> Float[Tensor, ""]:
     r"""The policy loss of any objective: term, IS weights, KL penalty, aggregation.
@@ -148,7 +153,13 @@ def policy_loss(
     fused pass; ``compiled=True`` runs that pass as one ``torch.compile`` graph (compiled
     on first use; opt-in). Double backward differentiates the definition.
 
-    Shapes: logp, old_logp, mask, ref_logp, is_weights, kl_weights ``[batch, seq]``; advantages
+    ``distill`` (:class:`TeacherKL`) with ``teacher_logp`` adds on-policy distillation's
+    teacher term :func:`distill_loss` with the same ``mode``, ``normalizer`` and
+    ``max_len`` (so it is exact across micro-batches too), under autograd beside the
+    fused pass (also with ``compiled=True``).
+
+    Shapes: logp, old_logp, mask, ref_logp, is_weights, kl_weights ``[batch, seq]``;
+    teacher_logp ``[batch, seq]`` or ``[teachers, batch, seq]``; advantages
     ``[batch]``, ``[batch, 1]`` or ``[batch, seq]`` (per sequence only for sequence-level
     objectives such as GSPO). Returns a 0-dim tensor.
 
@@ -171,11 +182,18 @@ def policy_loss(
         max_len=max_len, ref_logp=ref_logp, kl=kl, is_weights=is_weights, compiled=compiled,
         kl_weights=kl_weights,
     )  # fmt: skip
+    check_pair(distill, teacher_logp)
     if compiled:
         from dapo_ops._compiled import compiled_body
 
-        return fused_loss(spec, tensors, den, compiled_body("inductor"))
-    return fused_loss(spec, tensors, den)
+        loss = fused_loss(spec, tensors, den, compiled_body("inductor"))
+    else:
+        loss = fused_loss(spec, tensors, den)
+    if distill is None or teacher_logp is None:
+        return loss
+    return loss + distill_loss(
+        logp, teacher_logp, mask, distill=distill, mode=mode, normalizer=normalizer, max_len=max_len
+    )
 
 
 def policy_loss_with_diagnostics(
