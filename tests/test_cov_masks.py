@@ -21,7 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import dapo_ops as d
-from dapo_ops.cov_masks import clip_cov_candidates
+from dapo_ops.correction.cov_masks import clip_cov_candidates
 
 pytestmark = pytest.mark.usefixtures("no_runtime_typecheck")
 

@@ -9,9 +9,9 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from dapo_ops._rules import LOG_RATIO_CLAMP, masked
-from dapo_ops._validate import check_option
-from dapo_ops.kl import kl_penalty
+from dapo_ops._core._rules import LOG_RATIO_CLAMP, masked
+from dapo_ops._core._validate import check_option
+from dapo_ops.engine.kl import kl_penalty
 
 if TYPE_CHECKING:
     from dapo_ops.integrations.openrlhf import PolicyLossOptions

@@ -19,10 +19,10 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from dapo_ops._rules import compute_dtype
-from dapo_ops._validate import InputError
-from dapo_ops.aggregation import AggregationMode
-from dapo_ops.surrogate import LOG_RATIO_CLAMP
+from dapo_ops._core._rules import compute_dtype
+from dapo_ops._core._validate import InputError
+from dapo_ops.engine.aggregation import AggregationMode
+from dapo_ops.engine.surrogate import LOG_RATIO_CLAMP
 
 #: verl's ``loss_agg_mode`` values and the dapo_ops mode that computes each.
 VERL_AGG_MODES: dict[str, AggregationMode] = {

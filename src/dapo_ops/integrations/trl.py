@@ -43,7 +43,7 @@ from dapo_ops.integrations._trl_loss import (
 )
 from dapo_ops.integrations._trl_policy import trl_policy_loss
 from dapo_ops.integrations.trl_sampling import DynamicSampling, SamplingReport
-from dapo_ops.rewards import overlong_reward
+from dapo_ops.rewards.overlong import overlong_reward
 
 
 class OverlongReward:

@@ -57,7 +57,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dapo_ops._validate import InputError, check_bool, check_int
+from dapo_ops._core._validate import InputError, check_bool, check_int
 from dapo_ops.integrations._trl_batch import (
     SamplingReport,
     assemble,
@@ -65,7 +65,7 @@ from dapo_ops.integrations._trl_batch import (
     token_count,
     trl_advantages,
 )
-from dapo_ops.sampling import dynamic_sample_mask, prompts_to_generate
+from dapo_ops.rewards.sampling import dynamic_sample_mask, prompts_to_generate
 
 logger = logging.getLogger(__name__)
 

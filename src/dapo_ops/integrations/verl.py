@@ -39,7 +39,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dapo_ops._validate import InputError
+from dapo_ops._core._validate import InputError
+from dapo_ops.engine.loss import token_level_loss
 from dapo_ops.integrations._verl_common import (
     VERL_AGG_MODES,
     _config_value,
@@ -52,7 +53,6 @@ from dapo_ops.integrations.verl_advantages import (
 )
 from dapo_ops.integrations.verl_estimators import register_estimators
 from dapo_ops.integrations.verl_losses import register_all
-from dapo_ops.loss import token_level_loss
 
 #: The names this module registers under in verl.
 LOSS_NAME = "dapo_ops"

@@ -3,8 +3,8 @@
 Every function takes verl 0.9.1's arguments (``token_level_rewards``, ``response_mask``,
 ``index`` = the ``uid`` array, ``config`` = the algorithm config, and what the estimator
 needs besides) and reads the same config fields as verl's own function, then computes
-with dapo_ops (:func:`dapo_ops.group_advantages`, :mod:`dapo_ops.estimators`,
-:mod:`dapo_ops.returns`): vectorised over samples (verl loops over them in Python for
+with dapo_ops (:func:`dapo_ops.group_advantages`, :mod:`dapo_ops.advantages.estimators`,
+:mod:`dapo_ops.advantages.returns`): vectorised over samples (verl loops over them in Python for
 most), no ``.item()``. The outcome estimators score a response by the sum of its
 ``token_level_rewards`` and return ``(advantages, returns)`` broadcast over
 ``response_mask``, as verl. Results equal verl's in float64
@@ -36,18 +36,23 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dapo_ops._rules import masked
-from dapo_ops._validate import InputError
-from dapo_ops.advantages import group_advantages
-from dapo_ops.estimators import gdpo_advantages, gpg_advantages, opo_advantages, passk_advantages
-from dapo_ops.integrations._verl_common import _config_value
-from dapo_ops.integrations.verl_estimators import group_ids
-from dapo_ops.returns import (
+from dapo_ops._core._rules import masked
+from dapo_ops._core._validate import InputError
+from dapo_ops.advantages.estimators import (
+    gdpo_advantages,
+    gpg_advantages,
+    opo_advantages,
+    passk_advantages,
+)
+from dapo_ops.advantages.group import group_advantages
+from dapo_ops.advantages.returns import (
     gae_advantages,
     masked_whiten,
     reinforce_pp_advantages,
     remax_advantages,
 )
+from dapo_ops.integrations._verl_common import _config_value
+from dapo_ops.integrations.verl_estimators import group_ids
 
 Uids = Iterable[Hashable]
 

@@ -23,13 +23,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dapo_ops._validate import InputError
-from dapo_ops.importance import rejection_mask, truncated_is_weights
+from dapo_ops._core._validate import InputError
+from dapo_ops.correction.importance import rejection_mask, truncated_is_weights
+from dapo_ops.correction.offpolicy import offpolicy_metrics
+from dapo_ops.engine.policy import policy_loss
 from dapo_ops.integrations._verl_common import _config_value
 from dapo_ops.integrations.verl_composed import _aggregation, _masked_mean
 from dapo_ops.objectives import PolicyGradient
-from dapo_ops.offpolicy import offpolicy_metrics
-from dapo_ops.policy import policy_loss
 
 
 def _threshold_pair(spec: Any, field: str) -> tuple[float, float | None]:

@@ -30,12 +30,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dapo_ops._validate import InputError
-from dapo_ops.cov_masks import clip_cov_candidates, first_k, kl_cov_mask
+from dapo_ops._core._validate import InputError
+from dapo_ops.correction.cov_masks import clip_cov_candidates, first_k, kl_cov_mask
+from dapo_ops.engine.kl import KLPenalty
+from dapo_ops.engine.policy import policy_loss
 from dapo_ops.integrations._verl_common import _config_value, verl_aggregation
-from dapo_ops.kl import KLPenalty
 from dapo_ops.objectives import ClipHigher, RatioSurrogate
-from dapo_ops.policy import policy_loss
 
 PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Any]]]
 

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dapo_ops._validate import InputError
-from dapo_ops.optimal_baseline import OTBAlign, optimal_token_baseline_advantages
+from dapo_ops._core._validate import InputError
+from dapo_ops.advantages.optimal_baseline import OTBAlign, optimal_token_baseline_advantages
 
 #: verl ``adv_estimator`` -> the name ours is registered under.
 ESTIMATOR_NAMES = {

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dapo_ops._validate import InputError
+from dapo_ops._core._validate import InputError
+from dapo_ops.engine.policy import policy_loss_with_diagnostics
 from dapo_ops.integrations._verl_common import _config_value, ppo_kl, verl_aggregation
 from dapo_ops.objectives import (
     CISPO,
@@ -37,7 +38,6 @@ from dapo_ops.objectives import (
     PolicyGradient,
     RatioSurrogate,
 )
-from dapo_ops.policy import policy_loss_with_diagnostics
 
 #: verl ``loss_mode`` -> the aggregation verl forces whatever ``loss_agg_mode`` says.
 FORCED_AGG = {"sapo": "seq-mean-token-mean"}

@@ -1,6 +1,6 @@
 """ClipHigher's eager CPU kernel: float-only ops on cache-sized row blocks.
 
-Private; :meth:`ClipHigher.cpu_terms` hands it to the engine (:mod:`dapo_ops._engine`),
+Private; :meth:`ClipHigher.cpu_terms` hands it to the engine (:mod:`dapo_ops.engine._engine`),
 which calls it for eager CPU work instead of the ``where``-based generic body (CPU
 ``where`` and bool-valued kernels cost 5-50x a float multiply there). It computes, for
 each block of rows, exactly what the generic body computes from
@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from dapo_ops._kl_cpu import finite_or_masked
+from dapo_ops.engine._kl_cpu import finite_or_masked
 
 if TYPE_CHECKING:
-    from dapo_ops._kl_cpu import KLBlocks
+    from dapo_ops.engine._kl_cpu import KLBlocks
     from dapo_ops.objectives.clip_higher import ClipHigher
 
 #: Stands in for an infinite bound in the float-only path (its ratios are at most e^60).
@@ -114,7 +114,7 @@ def cpu_terms(
     loss row sum ``(-A) sum_t q m rho`` differs from the generic ``sum_t (-A q) rho m`` by
     rounding only; the gradient is bitwise the generic one. ``is_weights`` ``rho`` (one
     more host read per block: are they finite) and the KL term ``kl`` (added per block by
-    :class:`dapo_ops._kl_cpu.KLBlocks`) are optional.
+    :class:`dapo_ops.engine._kl_cpu.KLBlocks`) are optional.
     """
     batch, seq = logp.shape
     dtype = scale.dtype

@@ -31,8 +31,8 @@ from typing import ClassVar, Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from dapo_ops._rules import LOG_RATIO_CLAMP
-from dapo_ops._validate import InputError
+from dapo_ops._core._rules import LOG_RATIO_CLAMP
+from dapo_ops._core._validate import InputError
 
 
 class TokenInputs(NamedTuple):
@@ -42,7 +42,7 @@ class TokenInputs(NamedTuple):
     positions the values are arbitrary (finite or not): the engine removes them after
     :meth:`Objective.term` and :meth:`Objective.grad`, except where a term reduces over a
     row (sequence objectives), which must mask with ``valid`` itself
-    (:func:`dapo_ops._rules.masked`).
+    (:func:`dapo_ops._core._rules.masked`).
     """
 
     logp: Tensor  # log pi_theta of the sampled tokens (the differentiated input)
