@@ -21,7 +21,8 @@ from test_fused_kl_is import _exact_loss
 
 import dapo_ops
 from dapo_ops import ClipHigher, InputError, KLPenalty, policy_loss
-from dapo_ops.engine._engine import generic_terms, policy_tensors
+from dapo_ops._core._inputs import policy_tensors
+from dapo_ops.engine._engine import generic_terms
 from dapo_ops.engine.aggregation import loss_scale, scaled_sum
 from dapo_ops.engine.compiled_loss import CompiledPolicyLoss
 from dapo_ops.objectives import OBJECTIVES, Objective

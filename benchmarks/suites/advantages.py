@@ -13,11 +13,11 @@ import torch
 
 import dapo_ops as d
 from benchmarks import references as ref
-from benchmarks.harness import Case, Impl, Result, Suite, find
+from benchmarks.harness import Case, Impl, Result, Suite, Target, find
 from benchmarks.suites._estimators import estimator_cases
 from benchmarks.suites._inputs import loss_inputs
 from benchmarks.suites._rewards import PLAIN_VIEW, reward_cases, reward_inputs
-from benchmarks.targets import Target, compare
+from benchmarks.targets import compare
 
 
 def make_cases(quick: bool, device: str) -> list[Case]:

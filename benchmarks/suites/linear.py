@@ -20,8 +20,8 @@ import torch
 
 import dapo_ops as d
 from benchmarks.environment import installed
-from benchmarks.harness import Case, Fn, Impl, Result, Suite
-from benchmarks.targets import Target, at_most, because, compare
+from benchmarks.harness import Case, Fn, Impl, Result, Suite, Target
+from benchmarks.targets import at_most, because, compare
 from dapo_ops.logprobs._fused_linear import WEIGHT_BLOCK_ROWS
 
 UNIT = "one h @ W.T (forward matmul; the time unit)"

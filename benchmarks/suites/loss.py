@@ -15,12 +15,12 @@ import torch
 
 import dapo_ops as d
 from benchmarks import references as ref
-from benchmarks.harness import Case, Fn, Impl, Result, Suite, find
+from benchmarks.harness import Case, Fn, Impl, Result, Suite, Target, find
 from benchmarks.suites._inputs import LossInputs, fwd, fwd_bwd, leaf, loss_inputs
 from benchmarks.suites._loss_variants import VERL_STEP as VERL_STEP
 from benchmarks.suites._loss_variants import kl_is_impls, objective_impls
 from benchmarks.suites._peers import installed_verl_loss
-from benchmarks.targets import Target, at_most, because, compare
+from benchmarks.targets import at_most, because, compare
 
 DUAL = 3.0  # verl's clip_ratio_c, on for every verl-style and dapo_ops DAPO loss below
 EAGER = "dapo_ops token_level_loss (default, eager)"

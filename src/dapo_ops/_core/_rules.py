@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -45,3 +46,26 @@ def compute_dtype(*tensors: Tensor) -> torch.dtype:
 def masked(valid: Tensor, values: Tensor) -> Tensor:
     """``values`` where ``valid``, exactly 0 elsewhere (whatever ``values`` holds there)."""
     return torch.where(valid, values, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
+def safe_divide(num: Tensor, den: Tensor | float) -> Tensor:
+    """``num / den``, with a zero ``den`` replaced by 1, so the value and gradient stay finite.
+
+    Every caller divides a sum by a count of what it sums (tokens, sequences, samples):
+    a zero count means an empty sum, and the result is then 0, never NaN.
+    """
+    den_t = torch.as_tensor(den, dtype=num.dtype, device=num.device)
+    return num / torch.where(den_t == 0, torch.ones_like(den_t), den_t)
+
+
+def finite_or_masked(t: Tensor, valid: Tensor, out: Tensor) -> tuple[Tensor | None, float]:
+    """``t`` itself if all finite, else ``where(valid, t, 0)`` in ``out`` if that is all
+    finite, else None (a non-finite value on a valid token); and the largest ``|value|``.
+    One host read (two if sanitised), on the CPU."""
+    low, high = (float(x) for x in torch.aminmax(t))
+    if not (math.isfinite(low) and math.isfinite(high)):
+        t = out.copy_(torch.where(valid, t, 0.0))
+        low, high = (float(x) for x in torch.aminmax(t))
+        if not (math.isfinite(low) and math.isfinite(high)):
+            return None, math.inf
+    return t, max(-low, high)

@@ -21,9 +21,9 @@ import torch
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
+from dapo_ops._core._inputs import policy_tensors
 from dapo_ops._core._rules import LOG_RATIO_CLAMP, masked
 from dapo_ops._core._validate import InputError, check_real, check_same_device
-from dapo_ops.engine._engine import policy_tensors
 
 
 def _fraction(name: str, value: object) -> float:

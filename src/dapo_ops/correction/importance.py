@@ -19,9 +19,9 @@ from einops import rearrange
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
+from dapo_ops._core._inputs import policy_tensors
 from dapo_ops._core._rules import LOG_RATIO_CLAMP, masked
 from dapo_ops._core._validate import InputError, check_no_grad, check_option
-from dapo_ops.engine._engine import policy_tensors
 
 
 def _log_rho(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:

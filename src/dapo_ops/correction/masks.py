@@ -15,6 +15,7 @@ import torch
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
+from dapo_ops._core._inputs import policy_tensors
 from dapo_ops._core._rules import masked
 from dapo_ops._core._validate import (
     InputError,
@@ -23,7 +24,6 @@ from dapo_ops._core._validate import (
     check_ndim,
     check_same_shape,
 )
-from dapo_ops.engine._engine import policy_tensors
 
 
 def _quantile(values: Tensor, valid: Tensor, q: float) -> Tensor:

@@ -8,9 +8,9 @@ import torch
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
+from dapo_ops._core._inputs import policy_tensors
 from dapo_ops._core._rules import LOG_RATIO_CLAMP, masked
 from dapo_ops._core._validate import check_float, check_same_device, check_same_shape
-from dapo_ops.engine._engine import policy_tensors
 
 
 class OffPolicyMetrics(NamedTuple):

@@ -8,7 +8,8 @@ import torch
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
-from dapo_ops._core._rules import LOG_RATIO_CLAMP
+from dapo_ops._core._inputs import policy_tensors
+from dapo_ops._core._rules import LOG_RATIO_CLAMP, safe_divide
 from dapo_ops._core._validate import (
     InputError,
     check_count_dtype,
@@ -20,8 +21,8 @@ from dapo_ops._core._validate import (
     check_same_shape,
     check_tensor,
 )
-from dapo_ops.engine.aggregation import safe_divide
 from dapo_ops.objectives import ClipHigher, Objective
+from dapo_ops.objectives.base import token_inputs
 from dapo_ops.rewards.sampling import kept_group_counts
 
 
@@ -186,7 +187,6 @@ def objective_diagnostics(
         >>> float(d.clip_frac_high)  # r = e > 1.28: the weight is capped
         0.5
     """
-    from dapo_ops.engine._engine import policy_tensors, token_inputs  # the engine imports us
 
     adv, valid, dtype = policy_tensors(
         logp, old_logp, advantages, mask, per_sequence=objective.level == "sequence"

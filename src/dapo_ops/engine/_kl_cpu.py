@@ -22,26 +22,12 @@ values); the row sums differ from it by rounding only.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:  # kl.py imports the objectives, whose CPU kernel imports this module
-    from dapo_ops.engine.kl import KLPenalty
-
-
-def finite_or_masked(t: Tensor, valid: Tensor, out: Tensor) -> tuple[Tensor | None, float]:
-    """``t`` itself if all finite, else ``where(valid, t, 0)`` in ``out`` if that is all
-    finite, else None (a non-finite value on a valid token); and the largest ``|value|``.
-    One host read (two if sanitised), on the CPU."""
-    low, high = (float(x) for x in torch.aminmax(t))
-    if not (math.isfinite(low) and math.isfinite(high)):
-        t = out.copy_(torch.where(valid, t, 0.0))
-        low, high = (float(x) for x in torch.aminmax(t))
-        if not (math.isfinite(low) and math.isfinite(high)):
-            return None, math.inf
-    return t, max(-low, high)
+from dapo_ops._core._rules import finite_or_masked
+from dapo_ops.engine.kl import KLPenalty
 
 
 class KLBlocks:

@@ -10,7 +10,13 @@ from einops import rearrange
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
-from dapo_ops._core._rules import AGGREGATION_MODES, AggregationMode, Normalizer, compute_dtype
+from dapo_ops._core._rules import (
+    AGGREGATION_MODES,
+    AggregationMode,
+    Normalizer,
+    compute_dtype,
+    safe_divide,
+)
 from dapo_ops._core._validate import (
     InputError,
     as_bool_mask,
@@ -58,16 +64,6 @@ class PartialLoss(NamedTuple):
     def value(self) -> Float[Tensor, ""]:
         """``numerator / denominator``; 0 (not NaN) when the denominator is 0."""
         return safe_divide(self.numerator, self.denominator)
-
-
-def safe_divide(num: Tensor, den: Tensor | float) -> Tensor:
-    """``num / den``, with a zero ``den`` replaced by 1, so the value and gradient stay finite.
-
-    Every caller divides a sum by a count of what it sums (tokens, sequences, samples):
-    a zero count means an empty sum, and the result is then 0, never NaN.
-    """
-    den_t = torch.as_tensor(den, dtype=num.dtype, device=num.device)
-    return num / torch.where(den_t == 0, torch.ones_like(den_t), den_t)
 
 
 def aggregate_partial(

@@ -21,9 +21,10 @@ import torch
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
+from dapo_ops._core._inputs import policy_tensors
 from dapo_ops._core._rules import AGGREGATION_MODES, AggregationMode, Normalizer, compute_dtype
 from dapo_ops._core._validate import InputError, check_option
-from dapo_ops.engine._engine import LossInputs, LossSpec, fused_loss, generic_terms, policy_tensors
+from dapo_ops.engine._engine import LossInputs, LossSpec, fused_loss, generic_terms
 from dapo_ops.engine.aggregation import check_max_len, check_normalizer, loss_scale, scaled_sum
 from dapo_ops.engine.kl import KLPenalty
 from dapo_ops.engine.policy import prepare

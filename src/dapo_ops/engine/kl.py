@@ -10,6 +10,7 @@ import torch
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
+from dapo_ops._core._inputs import policy_tensors
 from dapo_ops._core._rules import LOG_RATIO_CLAMP, masked
 from dapo_ops._core._validate import InputError, check_no_grad, check_option
 from dapo_ops.objectives.base import check_field, check_number
@@ -131,8 +132,6 @@ def kl_penalty(
         >>> kl_penalty(torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.0, -1.0]]))
         tensor([[0.0000, 0.7183]])
     """
-    from dapo_ops.engine._engine import policy_tensors  # the engine imports this module
-
     check_option("estimator", estimator, KL_ESTIMATORS)
     if not (isinstance(log_ratio_clamp, (int, float)) and 0 < log_ratio_clamp < math.inf):
         raise InputError(f"log_ratio_clamp must be finite and > 0, got {log_ratio_clamp!r}")

@@ -9,6 +9,7 @@ from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 from typing_extensions import Unpack
 
+from dapo_ops._core._inputs import policy_tensors
 from dapo_ops._core._rules import AGGREGATION_MODES, AggregationMode, Normalizer
 from dapo_ops._core._validate import (
     InputError,
@@ -19,7 +20,7 @@ from dapo_ops._core._validate import (
     check_same_shape,
 )
 from dapo_ops.diagnostics.measures import PolicyDiagnostics, objective_diagnostics
-from dapo_ops.engine._engine import LossInputs, LossSpec, fused_loss, policy_tensors
+from dapo_ops.engine._engine import LossInputs, LossSpec, fused_loss
 from dapo_ops.engine.aggregation import check_max_len, check_normalizer
 from dapo_ops.engine.kl import KLPenalty
 from dapo_ops.objectives.base import Objective

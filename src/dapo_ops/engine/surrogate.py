@@ -5,9 +5,10 @@ from __future__ import annotations
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
+from dapo_ops._core._inputs import policy_tensors
 from dapo_ops._core._rules import LOG_RATIO_CLAMP
 from dapo_ops._core._validate import InputError, check_no_grad
-from dapo_ops.engine._engine import LossSpec, policy_tensors, reference_terms
+from dapo_ops.engine._engine import LossSpec, reference_terms
 from dapo_ops.objectives import ClipHigher, Objective
 
 __all__ = ["LOG_RATIO_CLAMP", "clip_higher_surrogate", "per_token_loss"]

@@ -6,10 +6,11 @@ from einops import rearrange
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
+from dapo_ops._core._inputs import policy_tensors
 from dapo_ops._core._validate import check_no_grad
-from dapo_ops.engine._engine import policy_tensors, token_inputs
 from dapo_ops.engine.surrogate import per_token_loss
 from dapo_ops.objectives import GSPO
+from dapo_ops.objectives.base import token_inputs
 
 #: GSPO's sequence ratio is a geometric mean, so its log is clamped tighter than a token
 #: ratio's (verl clamps it at 10 as well, from above only): exp(10) = 2.2e4 bounds it.

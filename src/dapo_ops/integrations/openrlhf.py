@@ -52,9 +52,14 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from dapo_ops._core._rules import LOG_RATIO_CLAMP, AggregationMode, compute_dtype, masked
+from dapo_ops._core._rules import (
+    LOG_RATIO_CLAMP,
+    AggregationMode,
+    compute_dtype,
+    masked,
+    safe_divide,
+)
 from dapo_ops._core._validate import InputError, check_option
-from dapo_ops.engine.aggregation import safe_divide
 from dapo_ops.engine.policy import policy_loss
 from dapo_ops.integrations._openrlhf_terms import correction_weights, openrlhf_kl
 from dapo_ops.integrations._trl_policy import sequence_log_ratio

@@ -19,6 +19,7 @@ from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 from typing_extensions import Unpack
 
+from dapo_ops._core._inputs import policy_tensors
 from dapo_ops._core._rules import AGGREGATION_MODES, AggregationMode, Normalizer, compute_dtype
 from dapo_ops._core._validate import (
     InputError,
@@ -31,7 +32,7 @@ from dapo_ops._core._validate import (
     shape_str,
 )
 from dapo_ops.diagnostics.measures import PolicyDiagnostics, objective_diagnostics
-from dapo_ops.engine._engine import LossSpec, policy_tensors
+from dapo_ops.engine._engine import LossSpec
 from dapo_ops.engine.aggregation import check_max_len, check_normalizer
 from dapo_ops.engine.kl import KLPenalty
 from dapo_ops.logprobs._fused_linear import DEFAULT_FUSED_CHUNK_ELEMENTS

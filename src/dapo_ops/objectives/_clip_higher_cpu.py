@@ -24,19 +24,41 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from dapo_ops.engine._kl_cpu import finite_or_masked
-
-if TYPE_CHECKING:
-    from dapo_ops.engine._kl_cpu import KLBlocks
-    from dapo_ops.objectives.clip_higher import ClipHigher
+from dapo_ops._core._rules import finite_or_masked
 
 #: Stands in for an infinite bound in the float-only path (its ratios are at most e^60).
 _BIG = 1e30
+
+
+class Bounds(Protocol):
+    """What the kernel reads of its objective (:class:`~dapo_ops.ClipHigher`'s fields)."""
+
+    @property
+    def eps_low(self) -> float: ...
+    @property
+    def eps_high(self) -> float: ...
+    @property
+    def dual_clip(self) -> float | None: ...
+    @property
+    def log_ratio_clamp(self) -> float: ...
+    def bounds(self, adv: Tensor) -> tuple[Tensor, Tensor]: ...
+
+
+class BlockTerm(Protocol):
+    """A term added row block by row block while the block is in cache: the engine's KL
+    penalty (:class:`dapo_ops.engine._kl_cpu.KLBlocks`). Typed here, not imported: the
+    engine sits above the objectives."""
+
+    def prepare(self, sl: slice, valid: Tensor) -> bool: ...
+    def add(
+        self, sl: slice, vf: Tensor, row_sums: Tensor, grad: Tensor | None, scratch: Tensor
+    ) -> None: ...
+
 
 #: The generic body on a block: (logp, old_logp, adv, valid, scale, with_grad, rows) -> terms.
 Exact = Callable[
@@ -90,7 +112,7 @@ def _masked_advantages(adv: Tensor, valid: Tensor) -> Tensor:
 
 
 def cpu_terms(
-    objective: ClipHigher,
+    objective: Bounds,
     logp: Tensor,
     old_logp: Tensor,
     advantages: Tensor,
@@ -101,7 +123,7 @@ def cpu_terms(
     exact: Exact,
     *,
     is_weights: Tensor | None = None,
-    kl: KLBlocks | None = None,
+    kl: BlockTerm | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Row sums ``[b]`` and ``d(sum_i w_i rowsum_i)/d logp`` ``[b, s]`` (or None).
 

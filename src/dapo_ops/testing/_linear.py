@@ -8,10 +8,10 @@ import torch
 from torch import Tensor
 
 from dapo_ops._core._rules import AggregationMode
-from dapo_ops.engine._engine import LossSpec, generic_terms, token_inputs
+from dapo_ops.engine._engine import LossSpec, generic_terms
 from dapo_ops.engine.aggregation import loss_scale, token_level_aggregate
 from dapo_ops.engine.kl import KLPenalty
-from dapo_ops.objectives.base import Objective, is_token_local
+from dapo_ops.objectives.base import Objective, is_token_local, token_inputs
 from dapo_ops.testing._base import (
     F64_RTOL,
     Batch,
