@@ -11,6 +11,7 @@ aggregation + sampling) live in :mod:`dapo_ops.presets` (``presets.DAPO``, ...).
 """
 
 from dapo_ops import presets
+from dapo_ops._core import _compat
 from dapo_ops._core._validate import InputError
 from dapo_ops.advantages.estimators import (
     gdpo_advantages,
@@ -77,6 +78,16 @@ from dapo_ops.rewards.overlong import overlong_filter, overlong_reward
 from dapo_ops.rewards.sampling import dynamic_sample_mask, kept_group_fraction, prompts_to_generate
 
 __version__ = "0.1.0"
+
+_compat.install()  # the 0.1.0 module paths (dapo_ops.kl, ...): deprecated aliases
+
+
+def __getattr__(name: str) -> object:
+    """``dapo_ops.kl`` and the other 0.1.0 module paths, as attributes (deprecated)."""
+    if f"dapo_ops.{name}" in _compat.OLD_PATHS:
+        return _compat.moved(f"dapo_ops.{name}")
+    raise AttributeError(f"module 'dapo_ops' has no attribute {name!r}")
+
 
 __all__ = [
     "CISPO",

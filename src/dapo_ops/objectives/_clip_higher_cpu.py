@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -35,6 +35,7 @@ from dapo_ops._core._rules import finite_or_masked
 _BIG = 1e30
 
 
+@runtime_checkable
 class Bounds(Protocol):
     """What the kernel reads of its objective (:class:`~dapo_ops.ClipHigher`'s fields)."""
 
@@ -49,6 +50,7 @@ class Bounds(Protocol):
     def bounds(self, adv: Tensor) -> tuple[Tensor, Tensor]: ...
 
 
+@runtime_checkable
 class BlockTerm(Protocol):
     """A term added row block by row block while the block is in cache: the engine's KL
     penalty (:class:`dapo_ops.engine._kl_cpu.KLBlocks`). Typed here, not imported: the
