@@ -194,7 +194,7 @@ def make_cases(quick: bool, device: str) -> list[Case]:
 
     def diag(x: LossInputs) -> Fn:
         def run() -> object:
-            dg = d.policy_diagnostics(x.logp, x.old, x.adv, x.mask, dual_clip=DUAL)
+            dg = d.policy_diagnostics(x.logp, x.old, x.adv, x.mask, objective=d.ClipHigher(dual_clip=DUAL))
             return [float(v) for v in (dg.clip_frac_low, dg.clip_frac_high, dg.approx_kl)]
 
         return run

@@ -22,8 +22,12 @@ from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
 from dapo_ops._core._inputs import policy_tensors
-from dapo_ops._core._rules import LOG_RATIO_CLAMP, masked
+from dapo_ops._core._rules import masked
 from dapo_ops._core._validate import InputError, check_real, check_same_device
+from dapo_ops.objectives.clip_higher import ClipHigher
+
+#: verl's clip for ``loss_mode="clip_cov"``: ``clip_ratio`` 0.2 on both sides.
+VERL_CLIP = ClipHigher(eps_low=0.2, eps_high=0.2)
 
 
 def _fraction(name: str, value: object) -> float:
@@ -104,13 +108,11 @@ def clip_cov_mask(
     advantages: Float[Tensor, " batch"] | Float[Tensor, "batch 1"] | Float[Tensor, "batch seq"],
     mask: Bool[Tensor, "batch seq"] | Integer[Tensor, "batch seq"],
     *,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
+    objective: ClipHigher = VERL_CLIP,
     fraction: float = 2e-4,
     cov_low: float = 1.0,
     cov_high: float = 5.0,
     generator: torch.Generator | None = None,
-    log_ratio_clamp: float = LOG_RATIO_CLAMP,
 ) -> Bool[Tensor, "batch seq"]:
     r"""Clip-Cov: a random few of the tokens whose advantage and log-prob covary strongly.
 
@@ -127,8 +129,7 @@ def clip_cov_mask(
     drawn uniformly at random without replacement (all of them when there are fewer).
     Cui et al. 2025 ("The Entropy Mechanism of RL for Reasoning LMs") show the entropy of
     the policy falls with this covariance and stop the gradient of these tokens:
-    ``policy_loss(ClipHigher(eps_low, eps_high), ..., is_weights=(~selection).to(dtype) *
-    rho)`` (their loss is 0, they still count in the normaliser), verl's
+    ``policy_loss(objective, ..., is_weights=(~selection).to(dtype) * rho)`` (their loss is 0, they still count in the normaliser), verl's
     ``loss_mode="clip_cov"``.
 
     The selection depends on the batch it sees (the means, ``n``, the random draw): unlike
@@ -138,15 +139,17 @@ def clip_cov_mask(
     ``generator`` draws the subset (one ``torch.rand`` of ``[batch, seq]`` keys; the
     global RNG when None), so a seeded generator reproduces it; it must live on
     ``logp``'s device. Under ``torch.compile`` pass ``generator=None`` (dynamo cannot trace
-    a Generator object). No host sync. ``log_ratio_clamp`` bounds the log-ratio before
-    ``exp`` as the objectives do; the clip decision is the same as on the unclamped ratio.
+    a Generator object). No host sync. ``objective`` is the loss the selection goes with:
+    its ``eps_low``, ``eps_high`` define the clip and its ``log_ratio_clamp`` bounds the
+    log-ratio before ``exp`` (the clip decision is the same as on the unclamped ratio).
     With a non-finite log-prob or advantage at a valid token the covariance is not
     finite and no candidate survives the bounds, or the draw is among inf covariances.
 
     Shapes: ``[batch, seq]``; advantages ``[batch]``, ``[batch, 1]`` or ``[batch, seq]``.
     Returns bool ``[batch, seq]``, False at masked positions.
 
-    Defaults are verl's (``clip_ratio`` 0.2, ``policy_loss.clip_cov_ratio`` 2e-4,
+    Defaults are verl's (``clip_ratio`` 0.2: ``ClipHigher(eps_low=0.2, eps_high=0.2)``,
+    ``policy_loss.clip_cov_ratio`` 2e-4,
     ``clip_cov_lb`` 1.0, ``clip_cov_ub`` 5.0).
 
     Example:
@@ -156,9 +159,15 @@ def clip_cov_mask(
         ...               generator=torch.Generator().manual_seed(0))
         tensor([[False, False,  True, False]])
     """
+    if not isinstance(objective, ClipHigher):
+        raise InputError(
+            "objective must be a ClipHigher (its eps_low, eps_high and log_ratio_clamp define "
+            f"the clip), got {objective!r}"
+        )
     candidates, k = clip_cov_candidates(
-        logp, old_logp, advantages, mask, eps_low=eps_low, eps_high=eps_high, cov_low=cov_low,
-        cov_high=cov_high, fraction=fraction, log_ratio_clamp=log_ratio_clamp,
+        logp, old_logp, advantages, mask, eps_low=objective.eps_low,
+        eps_high=objective.eps_high, cov_low=cov_low, cov_high=cov_high, fraction=fraction,
+        log_ratio_clamp=objective.log_ratio_clamp,
     )  # fmt: skip
     if generator is not None:
         if not isinstance(generator, torch.Generator):

@@ -9,7 +9,7 @@ from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
 from dapo_ops._core._inputs import policy_tensors
-from dapo_ops._core._rules import LOG_RATIO_CLAMP, safe_divide
+from dapo_ops._core._rules import safe_divide
 from dapo_ops._core._validate import (
     InputError,
     check_count_dtype,
@@ -24,6 +24,9 @@ from dapo_ops._core._validate import (
 from dapo_ops.objectives import ClipHigher, Objective
 from dapo_ops.objectives.base import token_inputs
 from dapo_ops.rewards.sampling import kept_group_counts
+
+#: The default objective of :func:`policy_diagnostics`: DAPO's Clip-Higher.
+DAPO_CLIP = ClipHigher()
 
 
 class PolicyDiagnostics(NamedTuple):
@@ -128,21 +131,19 @@ def policy_diagnostics(
     advantages: Float[Tensor, " batch"] | Float[Tensor, "batch 1"] | Float[Tensor, "batch seq"],
     mask: Bool[Tensor, "batch seq"] | Integer[Tensor, "batch seq"],
     *,
-    eps_low: float = 0.2,
-    eps_high: float = 0.28,
-    dual_clip: float | None = None,
-    log_ratio_clamp: float = LOG_RATIO_CLAMP,
+    objective: Objective = DAPO_CLIP,
     entropy: Float[Tensor, "batch seq"] | None = None,
 ) -> PolicyDiagnostics:
-    r"""Clip fractions, ratio statistics and approximate KL of Clip-Higher PPO.
+    r"""Clip fractions, ratio statistics and approximate KL of the loss ``objective``.
 
-    :func:`objective_diagnostics` of ``ClipHigher(eps_low, eps_high, dual_clip,
-    log_ratio_clamp=log_ratio_clamp)``: the low / high clip counts are the tokens whose
-    clip is *active* (gradient exactly 0), ``A < 0, r < 1 - eps_low`` and
+    :func:`objective_diagnostics` of ``objective``, by default DAPO's Clip-Higher
+    (``ClipHigher()``: ``eps_low=0.2``, ``eps_high=0.28``, the default of
+    :func:`token_level_loss`). For ``ClipHigher`` the low / high clip counts are the tokens
+    whose clip is *active* (gradient exactly 0), ``A < 0, r < 1 - eps_low`` and
     ``A > 0, r > 1 + eps_high``; the dual count is ``A < 0, r > dual_clip``.
 
-    Same shapes and options as :func:`clip_higher_surrogate`; returns a
-    :class:`PolicyDiagnostics` of detached 0-dim float64 tensors.
+    Same shapes as :func:`clip_higher_surrogate`; returns a :class:`PolicyDiagnostics` of
+    detached 0-dim float64 tensors.
 
     Example:
         >>> d = policy_diagnostics(torch.zeros(1, 2), torch.tensor([[0.0, -1.0]]),
@@ -150,9 +151,6 @@ def policy_diagnostics(
         >>> float(d.clip_frac_high)
         0.5
     """
-    objective = ClipHigher(
-        eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, log_ratio_clamp=log_ratio_clamp
-    )
     return objective_diagnostics(objective, logp, old_logp, advantages, mask, entropy=entropy)
 
 
