@@ -31,7 +31,8 @@ from jaxtyping import Float, Integer
 from torch import Tensor
 
 from dapo_ops._core._validate import InputError, shape_str
-from dapo_ops.logprobs._fused_linear import DEFAULT_FUSED_CHUNK_ELEMENTS, FusedLinearLogpEntropy
+from dapo_ops.logprobs._fused_linear import DEFAULT_FUSED_CHUNK_ELEMENTS
+from dapo_ops.logprobs._fused_logp_entropy import FusedLinearLogpEntropy
 from dapo_ops.logprobs._logits_path import from_logits
 from dapo_ops.logprobs._logprob_checks import (
     auto_chunk,
