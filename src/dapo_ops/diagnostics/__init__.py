@@ -3,6 +3,7 @@
 This package's face: it only re-exports; the code lives in its modules."""
 
 from dapo_ops.diagnostics.measures import (
+    DAPO_CLIP,
     BatchDiagnostics,
     PolicyDiagnostics,
     batch_diagnostics,
@@ -13,6 +14,7 @@ from dapo_ops.diagnostics.measures import (
 )
 
 __all__ = [
+    "DAPO_CLIP",
     "BatchDiagnostics",
     "PolicyDiagnostics",
     "batch_diagnostics",

@@ -151,6 +151,8 @@ def policy_diagnostics(
         >>> float(d.clip_frac_high)
         0.5
     """
+    if not isinstance(objective, Objective):
+        raise InputError(f"objective must be an Objective such as ClipHigher(), got {objective!r}")
     return objective_diagnostics(objective, logp, old_logp, advantages, mask, entropy=entropy)
 
 
