@@ -189,7 +189,7 @@ LINEAR_OPTS = {
 REGISTRY: list[Spec] = [
     # ------------------------------------------------------------ loss path
     spec("aggregate_partial", {"mode": BAD_MODE, "max_len": BAD_INT1}, per_token_loss=TOKEN, mask=MASK),
-    spec("clip_cov_mask", {"eps_low": BAD_PROB, "eps_high": (-0.1, NAN, INF), "fraction": (0.0, 1.5, NAN, "0.1"), "cov_low": (NAN, "1"), "cov_high": (NAN, None), "log_ratio_clamp": BAD_POS, "generator": ("seed", 0)}, logp=COV_LOGP, old_logp=COV_LOGP, advantages=COV_ADV, mask=MASK, generator=Fresh(lambda: torch.Generator().manual_seed(0))),
+    spec("clip_cov_mask", {"objective": (None, "clip", d.CISPO()), "fraction": (0.0, 1.5, NAN, "0.1"), "cov_low": (NAN, "1"), "cov_high": (NAN, None), "generator": ("seed", 0)}, logp=COV_LOGP, old_logp=COV_LOGP, advantages=COV_ADV, mask=MASK, generator=Fresh(lambda: torch.Generator().manual_seed(0))),
     spec("cispo_surrogate", {"cap": (0.5, NAN, INF), "floor": (-0.1, 1.5, NAN), "log_ratio_clamp": BAD_POS}, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK),
     spec("clip_higher_surrogate", {"eps_low": BAD_PROB, "eps_high": (-0.1, NAN, INF), "dual_clip": (1.0, 0.5, NAN, INF), "log_ratio_clamp": BAD_POS}, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK),
     spec("distill_advantages", {"distill": (None, KL)}, logp=LOGP_M, teacher_logp=TEACHER, mask=MASK, task_advantages=ADV, distill=DISTILL),
@@ -203,7 +203,7 @@ REGISTRY: list[Spec] = [
     spec("linear_policy_loss_with_diagnostics", LINEAR_OPTS, hidden=HIDDEN_LOSS, weight=WEIGHT, tokens=TOKENS, old_logp=OLD, advantages=ADV, mask=MASK, bias=Arg("float", ("V",), neginf=ANY), ref_logp=OLD, is_weights=IS_W, kl=KL, entropy_coef=0.01, empty="any"),
     spec("objective_diagnostics", objective=OBJ, logp=LOGP_M, old_logp=LOGP_M, advantages=ADV_DIAG, mask=MASK, entropy=ENTROPY, empty="any"),
     spec("per_token_loss", objective=OBJ, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK),
-    spec("policy_diagnostics", {"eps_low": BAD_PROB, "eps_high": (-0.1, NAN, INF), "dual_clip": (1.0, NAN), "log_ratio_clamp": BAD_POS}, logp=LOGP_M, old_logp=LOGP_M, advantages=ADV_DIAG, mask=MASK, empty="any"),
+    spec("policy_diagnostics", {"objective": (None, "clip")}, logp=LOGP_M, old_logp=LOGP_M, advantages=ADV_DIAG, mask=MASK, empty="any"),
     spec("policy_loss", {"mode": BAD_MODE, "normalizer": BAD_NORM, "max_len": BAD_INT1, "compiled": BAD_BOOL, "distill": ("k3", KL)}, objective=OBJ, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK, ref_logp=OLD, is_weights=IS_W, kl=KL, kl_weights=IS_W, teacher_logp=TEACHER, distill=DISTILL),
     spec("policy_loss_with_diagnostics", {"mode": BAD_MODE, "normalizer": BAD_NORM, "max_len": BAD_INT1, "distill": ("k3", KL)}, objective=OBJ, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK, ref_logp=OLD, is_weights=IS_W, kl=KL, teacher_logp=TEACHER, distill=DISTILL, empty="any"),
     spec("token_level_aggregate", {"mode": BAD_MODE, "normalizer": BAD_NORM, "max_len": BAD_INT1}, per_token_loss=TOKEN, mask=MASK),

@@ -1,4 +1,4 @@
-"""On-policy distillation (dapo_ops.distill): TeacherKL, distill_loss, distill_advantages and
+"""On-policy distillation (dapo_ops.engine.distill): TeacherKL, distill_loss, distill_advantages and
 ``policy_loss(..., teacher_logp=, distill=)``.
 
 Properties: the loss is the documented formula (each estimator written out here, float64),
@@ -236,7 +236,7 @@ def test_compile_fullgraph(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.testing.assert_close(g, g_want)
     torch.testing.assert_close(adv, want_adv)
     # compiled=True: the fused pass compiled, the distillation term beside it
-    from dapo_ops import _compiled
+    from dapo_ops.engine import _compiled
 
     original = _compiled.compiled_body
     monkeypatch.setattr(_compiled, "compiled_body", lambda backend: original("aot_eager"))

@@ -19,8 +19,8 @@ from collections.abc import Callable
 import torch
 
 import dapo_ops as d
-from benchmarks.harness import Case, Fn, Impl, Result, Suite
-from benchmarks.targets import Target, because, compare
+from benchmarks.harness import Case, Fn, Impl, Result, Suite, Target
+from benchmarks.targets import because, compare
 
 Pair = tuple[torch.Tensor, torch.Tensor]
 NAIVE, NAIVE_HIDDEN, FUSED = "naive", "naive_hidden: h @ W.T, then naive", "fused_logprobs_entropy"

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor
 
-from dapo_ops._validate import InputError
+from dapo_ops._core._validate import InputError
 
 # Per-row tensors TRL returns, padded on the left (prompt) or right (completion), and
 # the pad value of each ("pad": the tokenizer's pad id).

@@ -76,7 +76,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dapo_ops._validate import InputError, check_bool, check_int
+from dapo_ops._core._validate import InputError, check_bool, check_int
 from dapo_ops.integrations._trl_batch import (
     SamplingReport,
     assemble,
@@ -85,8 +85,9 @@ from dapo_ops.integrations._trl_batch import (
     trl_advantages,
 )
 from dapo_ops.integrations._trl_metrics import RoundLog, log_generation
+from dapo_ops.integrations._trl_rewards import OverlongReward
 from dapo_ops.integrations._trl_skip import EmptyStepGuard
-from dapo_ops.sampling import dynamic_sample_mask, prompts_to_generate
+from dapo_ops.rewards.sampling import dynamic_sample_mask, prompts_to_generate
 
 logger = logging.getLogger(__name__)  # its warnings: _trl_metrics, _trl_skip
 
@@ -264,8 +265,6 @@ def _is_shaped(func: Any, name: str) -> bool:
     """A shaping reward, not a task metric: dapo_ops' :class:`~dapo_ops.integrations.trl.OverlongReward`
     (also behind ``functools.wraps`` or ``functools.partial``), or a reward function whose
     name contains "overlong" (TRL's ``soft_overlong_punishment_reward`` among them)."""
-    from dapo_ops.integrations.trl import OverlongReward
-
     inner = func
     while isinstance(inner, functools.partial):
         inner = inner.func

@@ -23,8 +23,9 @@ from typing import Any
 
 from torch import Tensor
 
-from dapo_ops._validate import InputError
-from dapo_ops.importance import rejection_mask, truncated_is_weights
+from dapo_ops._core._validate import InputError
+from dapo_ops.correction.importance import rejection_mask, truncated_is_weights
+from dapo_ops.correction.offpolicy import offpolicy_metrics
 from dapo_ops.integrations._verl_common import (
     CLIP_METRICS,
     Call,
@@ -33,7 +34,6 @@ from dapo_ops.integrations._verl_common import (
     masked_mean,
     policy_loss_option,
 )
-from dapo_ops.offpolicy import offpolicy_metrics
 
 
 def _threshold_pair(spec: Any, field: str) -> tuple[float, float | None]:

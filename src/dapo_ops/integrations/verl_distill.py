@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dapo_ops._validate import InputError
-from dapo_ops.distill import TeacherKL
+from dapo_ops._core._validate import InputError
+from dapo_ops.engine.distill import TeacherKL
 from dapo_ops.integrations._verl_common import _config_value
 
 #: verl's estimator names -> dapo_ops' estimator (verl's ``kl_penalty_forward``).
