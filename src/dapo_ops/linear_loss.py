@@ -24,6 +24,7 @@ from dapo_ops._fused_linear import DEFAULT_FUSED_CHUNK_ELEMENTS
 from dapo_ops._linear_loss import LinearInputs, LinearPolicyLoss, LinearSpec, forward_pass
 from dapo_ops._logprob_checks import auto_chunk, check_options, check_projection, check_tokens
 from dapo_ops._rules import AGGREGATION_MODES, AggregationMode, Normalizer, compute_dtype
+from dapo_ops._triton_dispatch import Backend, triton_policy_loss, use_triton
 from dapo_ops._validate import (
     InputError,
     check_float,
@@ -63,6 +64,7 @@ class LinearOptions(TypedDict, total=False):
     is_weights: Tensor | None
     entropy_coef: float | Tensor
     chunk_size: int | None
+    backend: Backend
 
 
 class LinearDiagnostics(NamedTuple):
@@ -159,8 +161,10 @@ def _prepare(
 
 
 def _run(
-    spec: LinearSpec, h: Tensor, w: Tensor, b: Tensor | None, t: LinearInputs
+    spec: LinearSpec, h: Tensor, w: Tensor, b: Tensor | None, t: LinearInputs, o: LinearOptions
 ) -> tuple[Tensor, Tensor, Tensor]:
+    if use_triton(o.get("backend", "auto"), h.device, o.get("chunk_size")):
+        return triton_policy_loss(spec, h, w, b, t)
     need = tuple(torch.is_grad_enabled() and x is not None and x.requires_grad for x in (h, w, b))
     if any(need):
         return LinearPolicyLoss.apply(h, w, b, spec, t)  # type: ignore[no-any-return,no-untyped-call]
@@ -187,6 +191,7 @@ def linear_policy_loss(
     is_weights: Float[Tensor, "batch seq"] | None = None,
     entropy_coef: float | Float[Tensor, ""] = 0.0,
     chunk_size: int | None = None,
+    backend: Backend = "auto",
 ) -> Float[Tensor, ""]:
     r"""The policy loss straight from the last hidden states: 3 matmuls, no logits tensor.
 
@@ -245,6 +250,11 @@ def linear_policy_loss(
             :func:`adaptive_entropy_coef`); 0 adds no term and computes no entropy.
         chunk_size: tokens per chunk; ``None`` picks ``max(1, E // vocab)`` with
             ``E = 2**25`` on CPU, ``2**27`` on GPUs (:func:`fused_logprobs_entropy`'s).
+        backend: ``"chunked"`` (the chunks above), ``"triton"`` (Triton kernels that keep
+            each tile of logits on chip: CUDA tensors, or CPU ones under
+            ``TRITON_INTERPRET=1``; eager only, no ``chunk_size``) or ``"auto"``: the
+            chunked path for now, the kernels on CUDA once measured there
+            (``docs/linear_loss.md``).
 
     Double backward (``create_graph=True``) differentiates the definition (the whole
     logits, the naive path's memory). Under ``torch.compile(fullgraph=True)`` the chunks
@@ -268,9 +278,10 @@ def linear_policy_loss(
         "objective": objective, "bias": bias, "temperature": temperature, "mode": mode,
         "normalizer": normalizer, "max_len": max_len, "ref_logp": ref_logp, "kl": kl,
         "is_weights": is_weights, "entropy_coef": entropy_coef, "chunk_size": chunk_size,
+        "backend": backend,
     }  # fmt: skip
     spec, h, w, b, t = _prepare(hidden, weight, tokens, old_logp, advantages, mask, options, False)
-    return _run(spec, h, w, b, t)[0]
+    return _run(spec, h, w, b, t, options)[0]
 
 
 def linear_policy_loss_with_diagnostics(
@@ -302,7 +313,7 @@ def linear_policy_loss_with_diagnostics(
         ((1, 3), True)
     """
     spec, h, w, b, t = _prepare(hidden, weight, tokens, old_logp, advantages, mask, options, True)
-    loss, logp, entropy = _run(spec, h, w, b, t)
+    loss, logp, entropy = _run(spec, h, w, b, t, options)
     objective = spec.loss.objective
     policy = objective_diagnostics(objective, logp, old_logp, advantages, mask, entropy=entropy)
     return loss, LinearDiagnostics(policy, logp.detach(), entropy.detach())
