@@ -82,8 +82,9 @@ def group_advantages(
     flip a group between "constant" and "spread" under a large shift ``b``.
 
     Differences from peers (see docs/advantages.md): verl adds ``eps=1e-6`` to the
-    unbiased std and gives a one-sample group its raw score as advantage (we give 0;
-    ``singleton="score"`` reproduces verl: ``R / (1 + eps)``); TRL adds ``1e-4``;
+    unbiased std and gives a one-sample group ``R / (1 + eps)`` with ``1 + eps`` rounded
+    to float32 (we give 0; ``singleton="score"`` gives ``R / (1 + eps)`` in the rewards'
+    precision, and the verl twin ``dapo_ops_grpo`` verl's float32 divisor); TRL adds ``1e-4``;
     OpenRLHF ``1e-9``; all accumulate in float32. Pass ``eps`` to reproduce them.
 
     Range: each group is divided by a power of two near its largest ``|R|`` before any

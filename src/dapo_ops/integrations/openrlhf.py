@@ -60,6 +60,14 @@ from dapo_ops.integrations._trl_policy import sequence_log_ratio
 from dapo_ops.objectives import ClipHigher
 from dapo_ops.policy import policy_loss
 
+#: OpenRLHF's string options -> the values its ``PolicyLoss`` accepts (the first: default).
+CHOICES: dict[str, tuple[str, ...]] = {
+    "policy_loss_type": ("ppo", "gspo"),
+    "is_correction_level": ("off", "token", "seq"),
+    "is_correction_mode": ("mask", "clip"),
+    "is_correction_gating": ("ratio", "binary_kl", "tv"),
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class PolicyLossOptions:
@@ -69,19 +77,15 @@ class PolicyLossOptions:
     clip_eps_high: float = 0.2
     dual_clip: float | None = None
     token_level_loss: bool = True
-    policy_loss_type: str = "ppo"
-    is_correction_level: str = "off"
-    is_correction_mode: str = "mask"
-    is_correction_gating: str = "ratio"
+    policy_loss_type: str = CHOICES["policy_loss_type"][0]
+    is_correction_level: str = CHOICES["is_correction_level"][0]
+    is_correction_mode: str = CHOICES["is_correction_mode"][0]
+    is_correction_gating: str = CHOICES["is_correction_gating"][0]
     is_correction_threshold: tuple[float, float] = (0.5, 5.0)
 
     def __post_init__(self) -> None:
-        check_option("policy_loss_type", self.policy_loss_type, ("ppo", "gspo"))
-        check_option("is_correction_level", self.is_correction_level, ("off", "token", "seq"))
-        check_option("is_correction_mode", self.is_correction_mode, ("mask", "clip"))
-        check_option(
-            "is_correction_gating", self.is_correction_gating, ("ratio", "binary_kl", "tv")
-        )
+        for field, allowed in CHOICES.items():
+            check_option(field, getattr(self, field), allowed)
         low, high = self.is_correction_threshold
         object.__setattr__(self, "is_correction_threshold", (float(low), float(high)))
         if self.is_correction_mode == "clip" and (
