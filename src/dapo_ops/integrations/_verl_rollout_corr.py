@@ -44,6 +44,11 @@ class _Batch(NamedTuple):
         total = torch.where(self.valid, x.to(torch.float64), 0.0).sum()
         return total / (self.valid.sum().to(torch.float64) + 1e-8)
 
+    @property
+    def rows(self) -> Tensor:
+        """The non-empty sequences, ``[batch]``."""
+        return self.valid.any(dim=-1)
+
     def row_mean(self, x: Tensor) -> Tensor:
         """Each sequence's ``masked_mean`` (0 for an empty one), ``[batch]``."""
         total = torch.where(self.valid, x.to(torch.float64), 0.0).sum(dim=-1)
@@ -97,10 +102,17 @@ class _Weights(NamedTuple):
         return self.batch.row_mean(self.weights)
 
 
+def _ess(c: _Weights) -> Tensor:
+    """``1 / E[(w / (E[w] + 1e-8))^2]`` (verl clamps ``w`` to ``[0, cap]`` first, which the
+    truncated weights already are); 1 when that mean is 0 (no valid token; verl raises)."""
+    second = c.batch.mean((c.weights / (c.batch.mean(c.weights) + 1e-8)).square())
+    return torch.where(second == 0, 1.0, 1.0 / second)
+
+
 _IS: Mapping[str, Stat] = {
     "mean": lambda c: c.batch.mean(c.weights),
     "std": lambda c: c.batch.spread(c.weights, 0.0, c.cap),
-    "eff_sample_size": lambda c: _ess(c),
+    "eff_sample_size": _ess,
     "seq_mean": lambda c: c.seq().mean(),
     "seq_std": lambda c: _std(c.seq()),
     "seq_max": lambda c: c.seq().max(),
@@ -125,35 +137,23 @@ _IS_SEQUENCE: Mapping[str, Stat] = {
 }
 
 
-def _ess(c: _Weights) -> Tensor:
-    """``1 / E[(w / (E[w] + 1e-8))^2]`` (verl clamps ``w`` to ``[0, cap]`` first, which the
-    truncated weights already are); 1 when that mean is 0 (no valid token; verl raises)."""
-    second = c.batch.mean((c.weights / (c.batch.mean(c.weights) + 1e-8)).square())
-    return torch.where(second == 0, 1.0, 1.0 / second)
-
-
 def _normaliser(weights: Tensor, batch: _Batch, level: str) -> Tensor:
     """verl's ``rollout_is_batch_normalize`` divisor: the mean weight (token level, count
     ``+ 1e-8``) or the mean of the non-empty sequences' means (count at least 1e-8),
     over every rank when a process group is initialised (no ``+ 1e-8`` there); 1 when
     not above 1e-8."""
-    valid = batch.valid
-    if level == "token":
-        total, count, eps = torch.where(valid, weights, 0.0).sum(), valid.sum(), 1e-8
-    else:
-        rows = valid.any(dim=-1)
-        n = valid.sum(dim=-1).to(weights.dtype)
-        seq = torch.where(valid, weights, 0.0).sum(dim=-1) / (n + 1e-8)
-        total, count, eps = torch.where(rows, seq, 0.0).sum(), rows.sum(), 0.0
-    count = count.to(weights.dtype)
+    token = level == "token"
+    values, counted = (weights, batch.valid) if token else (batch.row_mean(weights), batch.rows)
+    total = torch.where(counted, values.to(torch.float64), 0.0).sum()
+    count = counted.sum().to(torch.float64)
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
         both = torch.stack([total, count])
         dist.all_reduce(both)
         mean = both[0] / both[1]
     else:
-        mean = total / (count + eps if level == "token" else count.clamp(min=1e-8))
-    return torch.where(mean > 1e-8, mean, 1.0)
+        mean = total / (count + 1e-8 if token else count.clamp(min=1e-8))
+    return torch.where(mean > 1e-8, mean, 1.0).to(weights.dtype)
 
 
 def rollout_is(
@@ -255,7 +255,7 @@ def rollout_rs(
     batch, kept, stats = _Batch(mask), mask, dict[str, float]()
     delta = torch.where(mask, current.double() - rollout.double(), 0.0)
     delta = delta.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    rows = mask.any(dim=-1)
+    rows = batch.rows
     for criterion in criteria:
         keep = rejection_mask(current, rollout, mask, **criterion)
         kept = kept & keep
