@@ -15,8 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import Case, Result
-from benchmarks.targets import Target
+from benchmarks.harness import Case, Result, Target
 
 FORMAT = 2
 CASE_FIELDS = (

@@ -174,6 +174,8 @@ COV_LOGP = dataclasses.replace(LOGP_M, nan=ANY)
 COV_ADV = dataclasses.replace(ADV_M, nan=ANY)
 OBJ = d.ClipHigher()
 KL = d.KLPenalty()
+TEACHER = OLD  # a teacher's log-probs: a constant; +-inf gives a finite (clamped) loss
+DISTILL = d.TeacherKL()
 LINEAR_OPTS = {
     "mode": BAD_MODE,
     "normalizer": BAD_NORM,
@@ -182,14 +184,17 @@ LINEAR_OPTS = {
     "chunk_size": BAD_INT1,
     "entropy_coef": (NAN, INF, "0.1", None),
     "objective": (None, "clip"),
+    "backend": ("cuda", "", None),
 }
 
 REGISTRY: list[Spec] = [
     # ------------------------------------------------------------ loss path
     spec("aggregate_partial", {"mode": BAD_MODE, "max_len": BAD_INT1}, per_token_loss=TOKEN, mask=MASK),
-    spec("clip_cov_mask", {"eps_low": BAD_PROB, "eps_high": (-0.1, NAN, INF), "fraction": (0.0, 1.5, NAN, "0.1"), "cov_low": (NAN, "1"), "cov_high": (NAN, None), "log_ratio_clamp": BAD_POS, "generator": ("seed", 0)}, logp=COV_LOGP, old_logp=COV_LOGP, advantages=COV_ADV, mask=MASK, generator=Fresh(lambda: torch.Generator().manual_seed(0))),
+    spec("clip_cov_mask", {"objective": (None, "clip", d.CISPO()), "fraction": (0.0, 1.5, NAN, "0.1"), "cov_low": (NAN, "1"), "cov_high": (NAN, None), "generator": ("seed", 0)}, logp=COV_LOGP, old_logp=COV_LOGP, advantages=COV_ADV, mask=MASK, generator=Fresh(lambda: torch.Generator().manual_seed(0))),
     spec("cispo_surrogate", {"cap": (0.5, NAN, INF), "floor": (-0.1, 1.5, NAN), "log_ratio_clamp": BAD_POS}, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK),
     spec("clip_higher_surrogate", {"eps_low": BAD_PROB, "eps_high": (-0.1, NAN, INF), "dual_clip": (1.0, 0.5, NAN, INF), "log_ratio_clamp": BAD_POS}, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK),
+    spec("distill_advantages", {"distill": (None, KL)}, logp=LOGP_M, teacher_logp=TEACHER, mask=MASK, task_advantages=ADV, distill=DISTILL),
+    spec("distill_loss", {"distill": (None, KL), "mode": BAD_MODE, "normalizer": BAD_NORM, "max_len": BAD_INT1}, logp=LOGP, teacher_logp=TEACHER, mask=MASK, distill=DISTILL),
     spec("entropy_bonus", {"coef": (NAN, INF, "0.1", None), "mode": BAD_MODE, "normalizer": BAD_NORM, "max_len": BAD_INT1}, entropy=ENTROPY, mask=MASK, coef=0.01),
     spec("gspo_sequence_ratio", logp=LOGP, old_logp=OLD, mask=MASK),
     spec("gspo_surrogate", {"eps_low": BAD_PROB, "eps_high": (-0.1, NAN, INF)}, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK),
@@ -199,14 +204,14 @@ REGISTRY: list[Spec] = [
     spec("linear_policy_loss_with_diagnostics", LINEAR_OPTS, hidden=HIDDEN_LOSS, weight=WEIGHT, tokens=TOKENS, old_logp=OLD, advantages=ADV, mask=MASK, bias=Arg("float", ("V",), neginf=ANY), ref_logp=OLD, is_weights=IS_W, kl=KL, entropy_coef=0.01, empty="any"),
     spec("objective_diagnostics", objective=OBJ, logp=LOGP_M, old_logp=LOGP_M, advantages=ADV_DIAG, mask=MASK, entropy=ENTROPY, empty="any"),
     spec("per_token_loss", objective=OBJ, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK),
-    spec("policy_diagnostics", {"eps_low": BAD_PROB, "eps_high": (-0.1, NAN, INF), "dual_clip": (1.0, NAN), "log_ratio_clamp": BAD_POS}, logp=LOGP_M, old_logp=LOGP_M, advantages=ADV_DIAG, mask=MASK, empty="any"),
-    spec("policy_loss", {"mode": BAD_MODE, "normalizer": BAD_NORM, "max_len": BAD_INT1, "compiled": BAD_BOOL}, objective=OBJ, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK, ref_logp=OLD, is_weights=IS_W, kl=KL, kl_weights=IS_W),
-    spec("policy_loss_with_diagnostics", {"mode": BAD_MODE, "normalizer": BAD_NORM, "max_len": BAD_INT1}, objective=OBJ, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK, ref_logp=OLD, is_weights=IS_W, kl=KL, empty="any"),
+    spec("policy_diagnostics", {"objective": (None, "clip")}, logp=LOGP_M, old_logp=LOGP_M, advantages=ADV_DIAG, mask=MASK, empty="any"),
+    spec("policy_loss", {"mode": BAD_MODE, "normalizer": BAD_NORM, "max_len": BAD_INT1, "compiled": BAD_BOOL, "distill": ("k3", KL)}, objective=OBJ, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK, ref_logp=OLD, is_weights=IS_W, kl=KL, kl_weights=IS_W, teacher_logp=TEACHER, distill=DISTILL),
+    spec("policy_loss_with_diagnostics", {"mode": BAD_MODE, "normalizer": BAD_NORM, "max_len": BAD_INT1, "distill": ("k3", KL)}, objective=OBJ, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK, ref_logp=OLD, is_weights=IS_W, kl=KL, teacher_logp=TEACHER, distill=DISTILL, empty="any"),
     spec("token_level_aggregate", {"mode": BAD_MODE, "normalizer": BAD_NORM, "max_len": BAD_INT1}, per_token_loss=TOKEN, mask=MASK),
     spec("token_level_loss", {"eps_low": BAD_PROB, "eps_high": (-0.1, NAN, INF), "mode": BAD_MODE, "normalizer": BAD_NORM, "dual_clip": (1.0, NAN), "max_len": BAD_INT1, "log_ratio_clamp": BAD_POS, "kl_beta": BAD_NONNEG, "kl_estimator": ("k9",), "compiled": BAD_BOOL, "return_diagnostics": BAD_BOOL}, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK, ref_logp=OLD, is_weights=IS_W, kl_beta=0.1),
     spec("truncated_is_weights", {"level": ("seq", None), "cap": BAD_POS, "lower": (-0.1, NAN, INF), "batch_normalize": BAD_BOOL}, old_logp=OLD, rollout_logp=OLD, mask=MASK),
     # ------------------------------------------------------------ log-probs
-    spec("fused_logprobs_entropy", {"temperature": BAD_POS, "chunk_size": BAD_INT1}, hidden=HIDDEN, weight=WEIGHT, tokens=TOKENS, bias=Arg("float", ("V",), neginf=ANY)),
+    spec("fused_logprobs_entropy", {"temperature": BAD_POS, "chunk_size": BAD_INT1, "backend": ("cuda", "", None)}, hidden=HIDDEN, weight=WEIGHT, tokens=TOKENS, bias=Arg("float", ("V",), neginf=ANY)),
     spec("token_entropy", {"temperature": BAD_POS, "chunk_size": BAD_INT1}, logits=LOGITS),
     spec("token_logprobs", {"temperature": BAD_POS, "chunk_size": BAD_INT1, "inplace_backward": BAD_BOOL}, logits=LOGITS, tokens=TOKENS),
     spec("token_logprobs_and_entropy", {"temperature": BAD_POS, "chunk_size": BAD_INT1, "inplace_backward": BAD_BOOL}, logits=LOGITS, tokens=TOKENS),

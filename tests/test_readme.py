@@ -57,7 +57,9 @@ def test_supported_versions_are_stated_once_and_agree_with_pyproject() -> None:
     project = _pyproject()["project"]
     torch_floor = next(d for d in project["dependencies"] if d.startswith("torch"))
     text = " ".join((ROOT / "README.md").read_text().split())
-    stated = re.search(r"\*\*Supported versions\*\*: torch >= ([\d.]+) .*? Python >= ([\d.]+) ", text)
+    stated = re.search(
+        r"\*\*Supported versions\*\*: torch >= ([\d.]+) .*? Python >= ([\d.]+) ", text
+    )
     assert stated, "README.md lost its supported-versions line"
     assert torch_floor == f"torch>={stated.group(1)}"
     assert project["requires-python"] == f">={stated.group(2)}"

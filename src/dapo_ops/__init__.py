@@ -11,44 +11,56 @@ aggregation + sampling) live in :mod:`dapo_ops.presets` (``presets.DAPO``, ...).
 """
 
 from dapo_ops import presets
-from dapo_ops._validate import InputError
-from dapo_ops.advantages import group_advantages
-from dapo_ops.aggregation import PartialLoss, aggregate_partial, token_level_aggregate
-from dapo_ops.cispo import cispo_surrogate
-from dapo_ops.compiled_loss import CompiledPolicyLoss
-from dapo_ops.cov_masks import clip_cov_mask, kl_cov_mask
-from dapo_ops.diagnostics import (
+from dapo_ops._core import _compat
+from dapo_ops._core._validate import InputError
+from dapo_ops.advantages.estimators import (
+    gdpo_advantages,
+    gpg_advantages,
+    opo_advantages,
+    passk_advantages,
+)
+from dapo_ops.advantages.group import group_advantages
+from dapo_ops.advantages.optimal_baseline import optimal_token_baseline_advantages
+from dapo_ops.advantages.returns import (
+    gae_advantages,
+    masked_whiten,
+    reinforce_pp_advantages,
+    remax_advantages,
+)
+from dapo_ops.correction.cov_masks import clip_cov_mask, kl_cov_mask
+from dapo_ops.correction.importance import rejection_mask, truncated_is_weights
+from dapo_ops.correction.masks import high_entropy_mask, off_policy_sequence_mask
+from dapo_ops.correction.offpolicy import OffPolicyMetrics, offpolicy_metrics
+from dapo_ops.diagnostics.measures import (
     BatchDiagnostics,
     PolicyDiagnostics,
     batch_diagnostics,
     objective_diagnostics,
     policy_diagnostics,
 )
-from dapo_ops.distributed import global_normalizer
-from dapo_ops.entropy import EntropyCoef, adaptive_entropy_coef, entropy_bonus
-from dapo_ops.estimators import (
-    gdpo_advantages,
-    gpg_advantages,
-    opo_advantages,
-    passk_advantages,
-)
-from dapo_ops.gspo import gspo_sequence_ratio, gspo_surrogate
-from dapo_ops.importance import rejection_mask, truncated_is_weights
-from dapo_ops.kl import KLPenalty, kl_penalty
-from dapo_ops.linear_loss import (
+from dapo_ops.engine.aggregation import PartialLoss, aggregate_partial, token_level_aggregate
+from dapo_ops.engine.compiled_loss import CompiledPolicyLoss
+from dapo_ops.engine.distill import TeacherKL, distill_advantages, distill_loss
+from dapo_ops.engine.distributed import global_normalizer
+from dapo_ops.engine.entropy import EntropyCoef, adaptive_entropy_coef, entropy_bonus
+from dapo_ops.engine.kl import KLPenalty, kl_penalty
+from dapo_ops.engine.loss import token_level_loss
+from dapo_ops.engine.policy import policy_loss, policy_loss_with_diagnostics
+from dapo_ops.engine.surrogate import clip_higher_surrogate, per_token_loss
+from dapo_ops.engine.surrogate_cispo import cispo_surrogate
+from dapo_ops.engine.surrogate_gspo import gspo_sequence_ratio, gspo_surrogate
+from dapo_ops.logprobs.linear_loss import (
     LinearDiagnostics,
     linear_policy_loss,
     linear_policy_loss_with_diagnostics,
 )
-from dapo_ops.logprobs import (
+from dapo_ops.logprobs.tokens import (
     LogpEntropy,
     fused_logprobs_entropy,
     token_entropy,
     token_logprobs,
     token_logprobs_and_entropy,
 )
-from dapo_ops.loss import token_level_loss
-from dapo_ops.masks import high_entropy_mask, off_policy_sequence_mask
 from dapo_ops.objectives import (
     CISPO,
     DPPO,
@@ -62,21 +74,21 @@ from dapo_ops.objectives import (
     PolicyGradient,
     RatioSurrogate,
 )
-from dapo_ops.offpolicy import OffPolicyMetrics, offpolicy_metrics
-from dapo_ops.optimal_baseline import optimal_token_baseline_advantages
-from dapo_ops.policy import policy_loss, policy_loss_with_diagnostics
 from dapo_ops.presets import ObjectivePreset
-from dapo_ops.returns import (
-    gae_advantages,
-    masked_whiten,
-    reinforce_pp_advantages,
-    remax_advantages,
-)
-from dapo_ops.rewards import overlong_filter, overlong_reward
-from dapo_ops.sampling import dynamic_sample_mask, kept_group_fraction, prompts_to_generate
-from dapo_ops.surrogate import clip_higher_surrogate, per_token_loss
+from dapo_ops.rewards.overlong import overlong_filter, overlong_reward
+from dapo_ops.rewards.sampling import dynamic_sample_mask, kept_group_fraction, prompts_to_generate
 
 __version__ = "0.1.0"
+
+_compat.install()  # the 0.1.0 module paths (dapo_ops.kl, ...): deprecated aliases
+
+
+def __getattr__(name: str) -> object:
+    """``dapo_ops.kl`` and the other 0.1.0 module paths, as attributes (deprecated)."""
+    if f"dapo_ops.{name}" in _compat.OLD_PATHS:
+        return _compat.moved(f"dapo_ops.{name}")
+    raise AttributeError(f"module 'dapo_ops' has no attribute {name!r}")
+
 
 __all__ = [
     "CISPO",
@@ -101,12 +113,15 @@ __all__ = [
     "PolicyDiagnostics",
     "PolicyGradient",
     "RatioSurrogate",
+    "TeacherKL",
     "adaptive_entropy_coef",
     "aggregate_partial",
     "batch_diagnostics",
     "cispo_surrogate",
     "clip_cov_mask",
     "clip_higher_surrogate",
+    "distill_advantages",
+    "distill_loss",
     "dynamic_sample_mask",
     "entropy_bonus",
     "fused_logprobs_entropy",

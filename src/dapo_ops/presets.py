@@ -19,14 +19,14 @@ from typing import Literal
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
-from dapo_ops._rules import AGGREGATION_MODES, AggregationMode, Normalizer
-from dapo_ops._validate import InputError, check_option
-from dapo_ops.advantages import group_advantages
-from dapo_ops.kl import KLPenalty
+from dapo_ops._core._rules import AGGREGATION_MODES, AggregationMode, Normalizer
+from dapo_ops._core._validate import InputError, check_option
+from dapo_ops.advantages.group import group_advantages
+from dapo_ops.engine.kl import KLPenalty
+from dapo_ops.engine.policy import policy_loss
 from dapo_ops.objectives import CISPO as CISPOObjective
 from dapo_ops.objectives import GSPO as GSPOObjective
 from dapo_ops.objectives import ClipHigher, Objective
-from dapo_ops.policy import policy_loss
 
 __all__ = ["CISPO", "DAPO", "DR_GRPO", "GRPO", "GSPO", "PRESETS", "ObjectivePreset"]
 

@@ -21,7 +21,7 @@ class Row(NamedTuple):
 #: Where a dapo_ops name may live (the trainer class is built on first access: not imported).
 _MODULES = ("dapo_ops", *(f"dapo_ops.integrations.{m}" for m in (
     "trl", "trl_sampling", "openrlhf", "verl", "verl_losses", "verl_composed", "verl_sampling",
-    "verl_estimators", "verl_advantages")))  # fmt: skip
+    "verl_estimators", "verl_advantages", "verl_distill")))  # fmt: skip
 _LAZY = {"DapoGRPOTrainer"}
 
 
@@ -44,6 +44,9 @@ def resolve(text: str) -> str:
 
 
 _OBJ, _AGG, _KL, _ADV = "objective", "aggregation", "KL estimator", "advantage estimator"
+_DIST = "distillation term"
+_VS_VERL = ("compared with verl's compute_distillation_loss_reverse_kl_estimator and "
+            "distillation_ppo_loss (float64, value and gradient)")  # fmt: skip
 _RC, _SEL, _REG, _OPT, _FILTER = (
     "rollout correction", "token selection", "regulariser", "option", "batch filter")  # fmt: skip
 _CLIPPED = tuple(f"loss_type={t}" for t in ("dapo", "bnpo", "grpo", "dr_grpo", "luspo"))
@@ -109,6 +112,37 @@ ROWS: list[Row] = [
         "policy, 10)", verl_kind="option"),
     Row(_KL, "KL term times the (token or sequence) ratio", "trl_policy_loss", (
         "use_bias_correction_kl",)),
+    Row(_DIST, "reverse KL to a teacher, k1 (log-ratio): as the advantage",
+        'TeacherKL(estimator="k1"); distill_advantages', (), ("kl", "k1"),
+        note=f"{_VS_VERL}; as a loss term refused (its gradient ignores the teacher), as verl",
+        verl_kind="distill"),
+    Row(_DIST, "reverse KL to a teacher, k2 (half squared log-ratio)", 'TeacherKL(estimator="k2")',
+        (), ("mse", "k2"), note=_VS_VERL, verl_kind="distill"),
+    Row(_DIST, "reverse KL to a teacher, k3 (low variance)", 'TeacherKL(estimator="k3")', (),
+        ("low_var_kl", "k3"), note=f"{_VS_VERL}; verl's k3 value clamp +-10 is the default "
+        "clamp=10.0", verl_kind="distill"),
+    Row(_DIST, "reverse KL to a teacher, absolute log-ratio", 'TeacherKL(estimator="abs")', (),
+        ("abs",), note=_VS_VERL, verl_kind="distill"),
+    Row(_DIST, "forward KL over the teacher's top-k tokens", "", (), ("forward_kl_topk",),
+        note="needs the student's logits at the teacher's top-k ids; this API takes sampled "
+        "tokens' log-probs (issue 29, item 2)", verl_kind="distill"),
+    Row(_DIST, "teacher term as a supervised loss beside the policy loss",
+        "distill_loss; policy_loss(..., teacher_logp=t, distill=TeacherKL())", (),
+        ("use_policy_gradient=False",), note=f"{_VS_VERL}; exact across micro-batches with "
+        "global_normalizer", verl_kind="option"),
+    Row(_DIST, "teacher term as the advantage (policy gradient)", "distill_advantages", (),
+        ("use_policy_gradient=True",), note=_VS_VERL, verl_kind="option"),
+    Row(_DIST, "task rewards beside distillation, weighted", "TeacherKL(beta=c); "
+        "distill_advantages(..., task_advantages=A)", (), ("use_task_rewards",
+        "distillation_loss_coef"), note=f"{_VS_VERL}: verl's form, compared, is "
+        "policy_loss(A) + policy_loss(distill_advantages(...)); task_advantages=A sums the "
+        "advantages instead (equal while the ratio is 1)", verl_kind="option"),
+    Row(_DIST, "clamp of the per-token distillation loss", "TeacherKL(clamp=c)", (),
+        ("loss_max_clamp",), note=_VS_VERL, verl_kind="option"),
+    Row(_DIST, "floor on student and teacher log-probs", "TeacherKL(logp_min=m)", note="verl's "
+        "log_prob_min_clamp acts on its top-k loss only, so nothing here is compared with it"),
+    Row(_DIST, "several teachers, weighted", "TeacherKL(weights=w)", note="verl routes each "
+        "sample to one teacher (teacher_key): pass the routed log-probs as one [batch, seq]"),
     Row(_ADV, "GAE", "gae_advantages", (), ("gae",), verl_kind="estimator"),
     Row(_ADV, "GRPO group-normalised outcome", 'group_advantages(singleton="score"); '
         "trl_advantages", ('scale_rewards="group"', '"batch"', '"none"',

@@ -20,12 +20,12 @@ from typing import Any, Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from dapo_ops._engine import policy_tensors, token_inputs
-from dapo_ops._rules import compute_dtype
-from dapo_ops._validate import InputError
-from dapo_ops.aggregation import AggregationMode
-from dapo_ops.objectives.base import Objective, TokenInputs, per_sequence_advantages
-from dapo_ops.surrogate import LOG_RATIO_CLAMP
+from dapo_ops._core._inputs import policy_tensors
+from dapo_ops._core._rules import compute_dtype
+from dapo_ops._core._validate import InputError
+from dapo_ops.engine.aggregation import AggregationMode
+from dapo_ops.engine.surrogate import LOG_RATIO_CLAMP
+from dapo_ops.objectives.base import Objective, TokenInputs, per_sequence_advantages, token_inputs
 
 #: verl's ``loss_agg_mode`` values and the dapo_ops mode that computes each.
 VERL_AGG_MODES: dict[str, AggregationMode] = {

@@ -30,8 +30,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from dapo_ops._rules import LOG_RATIO_CLAMP
-from dapo_ops.importance import rejection_mask, truncated_is_weights
+from dapo_ops._core._rules import LOG_RATIO_CLAMP
+from dapo_ops.correction.importance import rejection_mask, truncated_is_weights
 
 
 class _Batch(NamedTuple):

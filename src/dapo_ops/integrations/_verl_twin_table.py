@@ -19,9 +19,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from dapo_ops._groups import segment_count, segment_sum, segments
-from dapo_ops._rules import compute_dtype, masked
-from dapo_ops._validate import InputError
+from dapo_ops._core._groups import segment_count, segment_sum, segments
+from dapo_ops._core._rules import compute_dtype, masked
+from dapo_ops._core._validate import InputError
 from dapo_ops.integrations._verl_common import _config_value
 
 #: verl's float32 ``torch.tensor(1.0)``, the std its loops give a one-sample group.

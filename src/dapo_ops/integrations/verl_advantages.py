@@ -48,8 +48,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dapo_ops._validate import InputError
-from dapo_ops.estimators import opo_advantages, passk_advantages
+from dapo_ops._core._validate import InputError
+from dapo_ops.advantages.estimators import opo_advantages, passk_advantages
+from dapo_ops.advantages.returns import gae_advantages, reinforce_pp_advantages, remax_advantages
 from dapo_ops.integrations._verl_twin_table import (
     OUTCOME,
     REQUIRED,
@@ -61,7 +62,6 @@ from dapo_ops.integrations._verl_twin_table import (
     twin,
     verl_whiten,
 )
-from dapo_ops.returns import gae_advantages, reinforce_pp_advantages, remax_advantages
 
 _NORM = (("norm_adv_by_std_in_grpo", True),)
 

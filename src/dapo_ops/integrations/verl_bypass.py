@@ -23,7 +23,8 @@ from typing import Any
 
 from torch import Tensor
 
-from dapo_ops._validate import InputError
+from dapo_ops._core._validate import InputError
+from dapo_ops.correction.offpolicy import offpolicy_metrics
 from dapo_ops.integrations._verl_common import (
     CLIP_METRICS,
     Call,
@@ -32,7 +33,6 @@ from dapo_ops.integrations._verl_common import (
     policy_loss_option,
 )
 from dapo_ops.integrations._verl_rollout_corr import rollout_is, rollout_rs
-from dapo_ops.offpolicy import offpolicy_metrics
 
 
 def _threshold_pair(spec: Any, field: str) -> tuple[float, float | None]:
@@ -110,7 +110,7 @@ def bypass_step(call: Call) -> Call:
     ``rollout_is_weights`` here, and so do we). The loss's metrics are ``vanilla``'s
     (``ppo_clip``) or ``actor/ppo_kl`` (``reinforce``), plus every ``rollout_corr/``
     metric verl logs: the off-policy gap (:func:`dapo_ops.offpolicy_metrics`), the IS
-    weights' statistics and each rejection option's (:mod:`._verl_rollout_corr`).
+    weights' statistics and each rejection option's (``_verl_rollout_corr``).
     verl raises on an all-masked micro-batch; this gives a loss of 0, finite metrics."""
     corr = policy_loss_option(call.config, "rollout_correction", None)
     if corr is None:

@@ -32,8 +32,9 @@ from types import MappingProxyType
 import torch
 from torch import Tensor
 
-from dapo_ops._validate import InputError
-from dapo_ops.cov_masks import clip_cov_candidates, first_k
+from dapo_ops._core._validate import InputError
+from dapo_ops.correction.cov_masks import clip_cov_candidates, first_k
+from dapo_ops.engine.kl import KLPenalty
 from dapo_ops.integrations._verl_common import (
     Call,
     Metric,
@@ -41,7 +42,6 @@ from dapo_ops.integrations._verl_common import (
     kl_raw,
     policy_loss_option,
 )
-from dapo_ops.kl import KLPenalty
 from dapo_ops.objectives.base import Objective, TokenInputs
 
 

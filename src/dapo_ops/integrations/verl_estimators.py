@@ -27,7 +27,8 @@ from collections.abc import Callable
 
 from torch import Tensor
 
-from dapo_ops._validate import InputError
+from dapo_ops._core._validate import InputError
+from dapo_ops.advantages.optimal_baseline import OTBAlign, optimal_token_baseline_advantages
 from dapo_ops.integrations._verl_twin_table import (
     REQUIRED,
     Args,
@@ -36,7 +37,6 @@ from dapo_ops.integrations._verl_twin_table import (
     register,
     twin,
 )
-from dapo_ops.optimal_baseline import OTBAlign, optimal_token_baseline_advantages
 
 __all__ = ["ESTIMATORS", "ESTIMATOR_NAMES", "group_ids", "register_estimators"]
 

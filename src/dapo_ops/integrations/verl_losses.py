@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dapo_ops._validate import InputError
+from dapo_ops._core._validate import InputError
+from dapo_ops.engine.policy import policy_loss
 from dapo_ops.integrations._verl_common import (
     CLIP_METRICS,
     Call,
@@ -61,7 +62,6 @@ from dapo_ops.objectives import (
     RatioSurrogate,
 )
 from dapo_ops.objectives.base import TokenInputs
-from dapo_ops.policy import policy_loss
 
 PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Any]]]
 

@@ -31,8 +31,8 @@ from typing import ClassVar, Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from dapo_ops._rules import LOG_RATIO_CLAMP
-from dapo_ops._validate import InputError
+from dapo_ops._core._rules import LOG_RATIO_CLAMP, masked
+from dapo_ops._core._validate import InputError
 
 
 class TokenInputs(NamedTuple):
@@ -42,7 +42,7 @@ class TokenInputs(NamedTuple):
     positions the values are arbitrary (finite or not): the engine removes them after
     :meth:`Objective.term` and :meth:`Objective.grad`, except where a term reduces over a
     row (sequence objectives), which must mask with ``valid`` itself
-    (:func:`dapo_ops._rules.masked`).
+    (:func:`dapo_ops._core._rules.masked`).
     """
 
     logp: Tensor  # log pi_theta of the sampled tokens (the differentiated input)
@@ -146,3 +146,25 @@ def check_number(objective: object, name: str) -> float:
             f"(a {type(value).__name__})"
         )
     return float(value)
+
+
+def token_inputs(
+    objective: Objective,
+    logp: Tensor,
+    old_logp: Tensor,
+    adv: Tensor,
+    valid: Tensor,
+    dtype: torch.dtype,
+    *,
+    reference: bool,
+) -> TokenInputs:
+    """The objective's inputs. ``reference``: differentiable, with masked positions set to
+    0 first (so no NaN reaches autograd); else raw (the engine masks the results)."""
+    lp, old = logp.to(dtype), old_logp.to(dtype)
+    log_ratio = lp - old
+    a = adv.to(dtype)
+    if reference:
+        lp, old, log_ratio = masked(valid, lp), masked(valid, old), masked(valid, log_ratio)
+        a = masked(valid, a)
+    clamped = log_ratio.clamp(-objective.log_ratio_clamp, objective.log_ratio_clamp)
+    return TokenInputs(lp, old, log_ratio, clamped, clamped.exp(), a, valid)

@@ -9,7 +9,7 @@ from typing import ClassVar, Literal
 import torch
 from torch import Tensor
 
-from dapo_ops._validate import check_option
+from dapo_ops._core._validate import check_option
 from dapo_ops.objectives.base import Clipped, Objective, TokenInputs, check_field, check_number
 
 

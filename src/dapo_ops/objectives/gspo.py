@@ -8,7 +8,7 @@ import math
 import torch
 from torch import Tensor
 
-from dapo_ops._rules import masked
+from dapo_ops._core._rules import masked
 from dapo_ops.objectives.base import Clipped, Objective, TokenInputs, check_field, check_number
 from dapo_ops.objectives.clip_higher import clip_bounds
 

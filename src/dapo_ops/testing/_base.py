@@ -9,11 +9,11 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from dapo_ops._rules import AggregationMode
-from dapo_ops.aggregation import token_level_aggregate
-from dapo_ops.kl import KLPenalty, kl_penalty
+from dapo_ops._core._rules import AggregationMode
+from dapo_ops.engine.aggregation import token_level_aggregate
+from dapo_ops.engine.kl import KLPenalty, kl_penalty
+from dapo_ops.engine.surrogate import per_token_loss
 from dapo_ops.objectives.base import Objective, per_sequence_advantages
-from dapo_ops.surrogate import per_token_loss
 
 #: float64 evaluation against the float64 reference: 1e-10 relative is about 10^6 ulps
 #: (2^-53 each), far above another order of the same operations (a reordered row sum of
