@@ -16,6 +16,7 @@ from dapo_ops._core._validate import InputError
 from dapo_ops.advantages.estimators import (
     gdpo_advantages,
     gpg_advantages,
+    maxrl_advantages,
     opo_advantages,
     passk_advantages,
 )
@@ -69,6 +70,7 @@ from dapo_ops.objectives import (
     GMPO,
     GSPO,
     SAPO,
+    TOPR,
     VESPO,
     ClipHigher,
     Objective,
@@ -99,6 +101,7 @@ __all__ = [
     "GMPO",
     "GSPO",
     "SAPO",
+    "TOPR",
     "VESPO",
     "BatchDiagnostics",
     "ClipHigher",
@@ -142,6 +145,7 @@ __all__ = [
     "linear_policy_loss",
     "linear_policy_loss_with_diagnostics",
     "masked_whiten",
+    "maxrl_advantages",
     "objective_diagnostics",
     "off_policy_sequence_mask",
     "offpolicy_metrics",

@@ -76,11 +76,11 @@ def kl_reward(
         ...           torch.tensor([[True, True]]), coef=0.1).rewards
         tensor([[-0.1000,  0.9500]])
     """
+    check_no_grad("logp", logp)
+    kl = kl_penalty(logp, ref_logp, mask, estimator=estimator, clamp=clamp)
     check_float("token_scores", token_scores)
     check_same_shape("token_scores", token_scores, "logp", logp)
-    check_no_grad("logp", logp)
     c = check_scalar("coef", coef)
-    kl = kl_penalty(logp, ref_logp, mask, estimator=estimator, clamp=clamp)
     valid = mask if mask.dtype == torch.bool else mask != 0
     dtype = compute_dtype(token_scores, kl, *([c] if isinstance(c, Tensor) else []))
     kl = kl.to(dtype)

@@ -60,7 +60,7 @@ def value_loss(
 
     ``clip_frac`` is the share of valid tokens where the clipped error is the strictly
     larger one (verl's ``critic/vf_clipfrac``): a 0-dim tensor over this call's tokens,
-    no host sync. Masked positions reach neither result nor the gradient, whatever they
+    no host sync. A NaN or inf at a valid position propagates to ``loss``. Masked positions reach neither result nor the gradient, whatever they
     hold; ``old_values`` and ``returns`` are constants (refused when they require grad).
 
     Defaults: ``clip=0.5`` is verl 0.9.1's ``critic.cliprange_value``; ``token_mean`` its
@@ -95,7 +95,7 @@ def value_loss(
     else:
         old = masked(valid, old_values.to(dtype))
         clipped = (torch.clamp(v, old - clip, old + clip) - ret).square()
-        worse = clipped > plain
+        worse = ~(clipped <= plain)  # a NaN (in old_values) picks the clipped: it propagates
         per_token = torch.where(worse, clipped, plain)
     loss = 0.5 * token_level_aggregate(
         per_token, valid, mode=mode, normalizer=normalizer, max_len=max_len

@@ -93,9 +93,14 @@ class AdaptiveKLController:
 
     def update(self, current_kl: float, n_steps: int) -> None:
         """Move ``value`` towards the target KL."""
-        self.value = adaptive_kl_coef(
-            self.value, current_kl, int(n_steps), target=self.target, horizon=int(self.horizon)
+        new = adaptive_kl_coef(
+            self.value,
+            float(current_kl),
+            int(n_steps),
+            target=self.target,
+            horizon=int(self.horizon),
         )
+        self.value = float(new)
 
 
 def get_kl_controller(kl_ctrl: Any) -> FixedKLController | AdaptiveKLController:

@@ -46,7 +46,7 @@ def pf_ppo_weights(
     (PF-PPO, arXiv:2409.06957). Defaults: verl 0.9.1's ``algorithm.pf_ppo``
     (``reweight_method="pow"``, ``weight_pow=2.0``). The scores are one per response
     (verl sums ``token_level_scores`` over the response); a NaN score gives a NaN weight
-    (``pow``) or matches nothing (``max_*``), and :func:`pf_ppo_resample` then refuses it.
+    (``pow``) or makes every weight NaN (``max_*``), and :func:`pf_ppo_resample` refuses it.
 
     Example:
         >>> pf_ppo_weights(torch.tensor([1.0, -2.0, 0.5]))
@@ -60,10 +60,12 @@ def pf_ppo_weights(
         return scores.abs().pow(p)
     if scores.numel() == 0:
         return scores.clone()
-    best = scores.amax()
+    best = scores.amax()  # NaN when any score is NaN: then every weight is NaN
     if method == "max_min":
-        return torch.where((scores == best) | (scores == scores.amin()), 1.0, 0.0).to(scores.dtype)
-    return torch.where(scores == best, 0.4, 0.1).to(scores.dtype)
+        w = torch.where((scores == best) | (scores == scores.amin()), 1.0, 0.0)
+    else:
+        w = torch.where(scores == best, 0.4, 0.1)
+    return torch.where(torch.isnan(best), torch.nan, w).to(scores.dtype)
 
 
 def pf_ppo_resample(
@@ -88,6 +90,8 @@ def pf_ppo_resample(
         >>> pf_ppo_resample(torch.tensor([0.0, 0.0, 3.0]), generator=g)
         tensor([2, 2, 2])
     """
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise InputError(f"generator must be a torch.Generator or None, got {generator!r}")
     weights = pf_ppo_weights(scores, method=method, weight_pow=weight_pow)
     n = scores.shape[0]
     if n == 0:
