@@ -147,12 +147,14 @@ def test_kl_reward_is_scores_minus_beta_kl() -> None:
 
 
 def test_adaptive_kl_coef_moves_towards_target() -> None:
-    assert d.adaptive_kl_coef(0.1, 0.5, 100, target=0.1, horizon=100) == pytest.approx(0.12)
-    assert d.adaptive_kl_coef(0.1, 0.0, 100, target=0.1, horizon=100) == pytest.approx(0.08)
-    assert d.adaptive_kl_coef(0.1, 0.1, 100, target=0.1, horizon=100) == pytest.approx(0.1)
-    t = d.adaptive_kl_coef(torch.tensor(0.1), torch.tensor(0.5), 100, target=0.1, horizon=100)
+    assert d.adaptive_kl_coef(0.1, 0.5, n_steps=100, target=0.1, horizon=100) == pytest.approx(0.12)
+    assert d.adaptive_kl_coef(0.1, 0.0, n_steps=100, target=0.1, horizon=100) == pytest.approx(0.08)
+    assert d.adaptive_kl_coef(0.1, 0.1, n_steps=100, target=0.1, horizon=100) == pytest.approx(0.1)
+    t = d.adaptive_kl_coef(
+        torch.tensor(0.1), torch.tensor(0.5), n_steps=100, target=0.1, horizon=100
+    )
     assert isinstance(t, torch.Tensor) and float(t) == pytest.approx(0.12)
-    nan = d.adaptive_kl_coef(0.1, torch.tensor(float("nan")), 10)
+    nan = d.adaptive_kl_coef(0.1, torch.tensor(float("nan")), n_steps=10)
     assert isinstance(nan, torch.Tensor) and torch.isnan(nan)
 
 

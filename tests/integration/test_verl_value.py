@@ -139,11 +139,11 @@ def test_adaptive_kl_coef_is_verls_update() -> None:
     for kl in (0.0, 0.05, 0.1, 0.11, 0.3, 5.0):
         want = core_algos.AdaptiveKLController(0.2, target_kl=0.1, horizon=500)
         want.update(current_kl=kl, n_steps=64)
-        assert d.adaptive_kl_coef(0.2, kl, 64, target=0.1, horizon=500) == pytest.approx(
+        assert d.adaptive_kl_coef(0.2, kl, n_steps=64, target=0.1, horizon=500) == pytest.approx(
             want.value, rel=1e-15
         )
         t = d.adaptive_kl_coef(
-            torch.tensor(0.2, dtype=torch.float64), kl, 64, target=0.1, horizon=500
+            torch.tensor(0.2, dtype=torch.float64), kl, n_steps=64, target=0.1, horizon=500
         )
         assert float(t) == pytest.approx(want.value, rel=1e-15)
 

@@ -93,8 +93,8 @@ def kl_reward(
 def adaptive_kl_coef(
     coef: float | Float[Tensor, ""],
     current_kl: float | Float[Tensor, ""],
-    n_steps: int,
     *,
+    n_steps: int,
     target: float = 0.1,
     horizon: int = 10000,
 ) -> float | Tensor:
@@ -117,7 +117,7 @@ def adaptive_kl_coef(
     verl: ``core_algos.AdaptiveKLController.update``.
 
     Example:
-        >>> adaptive_kl_coef(0.5, 0.3, 1000, target=0.1, horizon=10000)  # KL too high: * 1.02
+        >>> adaptive_kl_coef(0.5, 0.3, n_steps=1000, target=0.1, horizon=10000)  # KL too high: * 1.02
         0.51
     """
     c = check_scalar("coef", coef)

@@ -96,7 +96,7 @@ class AdaptiveKLController:
         new = adaptive_kl_coef(
             self.value,
             float(current_kl),
-            int(n_steps),
+            n_steps=int(n_steps),
             target=self.target,
             horizon=int(self.horizon),
         )
