@@ -16,6 +16,7 @@ from dapo_ops._core._validate import InputError
 from dapo_ops.advantages.estimators import (
     gdpo_advantages,
     gpg_advantages,
+    maxrl_advantages,
     opo_advantages,
     passk_advantages,
 )
@@ -44,11 +45,13 @@ from dapo_ops.engine.distill import TeacherKL, distill_advantages, distill_loss
 from dapo_ops.engine.distributed import global_normalizer
 from dapo_ops.engine.entropy import EntropyCoef, adaptive_entropy_coef, entropy_bonus
 from dapo_ops.engine.kl import KLPenalty, kl_penalty
+from dapo_ops.engine.kl_reward import KLReward, adaptive_kl_coef, kl_reward
 from dapo_ops.engine.loss import token_level_loss
 from dapo_ops.engine.policy import policy_loss, policy_loss_with_diagnostics
 from dapo_ops.engine.surrogate import clip_higher_surrogate, per_token_loss
 from dapo_ops.engine.surrogate_cispo import cispo_surrogate
 from dapo_ops.engine.surrogate_gspo import gspo_sequence_ratio, gspo_surrogate
+from dapo_ops.engine.value import ValueLoss, value_loss
 from dapo_ops.logprobs.linear_loss import (
     LinearDiagnostics,
     linear_policy_loss,
@@ -68,6 +71,7 @@ from dapo_ops.objectives import (
     GMPO,
     GSPO,
     SAPO,
+    TOPR,
     VESPO,
     ClipHigher,
     Objective,
@@ -76,6 +80,7 @@ from dapo_ops.objectives import (
 )
 from dapo_ops.presets import ObjectivePreset
 from dapo_ops.rewards.overlong import overlong_filter, overlong_reward
+from dapo_ops.rewards.pf_ppo import pf_ppo_resample, pf_ppo_weights
 from dapo_ops.rewards.sampling import dynamic_sample_mask, kept_group_fraction, prompts_to_generate
 
 __version__ = "0.1.0"
@@ -97,6 +102,7 @@ __all__ = [
     "GMPO",
     "GSPO",
     "SAPO",
+    "TOPR",
     "VESPO",
     "BatchDiagnostics",
     "ClipHigher",
@@ -104,6 +110,7 @@ __all__ = [
     "EntropyCoef",
     "InputError",
     "KLPenalty",
+    "KLReward",
     "LinearDiagnostics",
     "LogpEntropy",
     "Objective",
@@ -114,7 +121,9 @@ __all__ = [
     "PolicyGradient",
     "RatioSurrogate",
     "TeacherKL",
+    "ValueLoss",
     "adaptive_entropy_coef",
+    "adaptive_kl_coef",
     "aggregate_partial",
     "batch_diagnostics",
     "cispo_surrogate",
@@ -136,9 +145,11 @@ __all__ = [
     "kept_group_fraction",
     "kl_cov_mask",
     "kl_penalty",
+    "kl_reward",
     "linear_policy_loss",
     "linear_policy_loss_with_diagnostics",
     "masked_whiten",
+    "maxrl_advantages",
     "objective_diagnostics",
     "off_policy_sequence_mask",
     "offpolicy_metrics",
@@ -148,6 +159,8 @@ __all__ = [
     "overlong_reward",
     "passk_advantages",
     "per_token_loss",
+    "pf_ppo_resample",
+    "pf_ppo_weights",
     "policy_diagnostics",
     "policy_loss",
     "policy_loss_with_diagnostics",
@@ -162,4 +175,5 @@ __all__ = [
     "token_logprobs",
     "token_logprobs_and_entropy",
     "truncated_is_weights",
+    "value_loss",
 ]

@@ -5,6 +5,7 @@ This package's face: it only re-exports; the code lives in its modules."""
 from dapo_ops.advantages.estimators import (
     gdpo_advantages,
     gpg_advantages,
+    maxrl_advantages,
     opo_advantages,
     passk_advantages,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "gpg_advantages",
     "group_advantages",
     "masked_whiten",
+    "maxrl_advantages",
     "opo_advantages",
     "optimal_token_baseline_advantages",
     "passk_advantages",
