@@ -37,6 +37,7 @@ from dapo_ops.engine.aggregation import check_max_len, check_normalizer
 from dapo_ops.engine.kl import KLPenalty
 from dapo_ops.logprobs._fused_linear import DEFAULT_FUSED_CHUNK_ELEMENTS
 from dapo_ops.logprobs._linear_loss import LinearInputs, LinearPolicyLoss, LinearSpec, forward_pass
+from dapo_ops.logprobs._truncation import truncation
 from dapo_ops.logprobs._logprob_checks import (
     auto_chunk,
     check_options,
@@ -69,6 +70,9 @@ class LinearOptions(TypedDict, total=False):
     is_weights: Tensor | None
     entropy_coef: float | Tensor
     chunk_size: int | None
+    top_k: int | None
+    top_p: float | None
+    min_p: float | None
 
 
 class LinearDiagnostics(NamedTuple):
@@ -112,6 +116,7 @@ def _prepare(
     check_max_len(max_len)
     temperature, chunk_size = o.get("temperature", 1.0), o.get("chunk_size")
     check_options(temperature, chunk_size)
+    trunc = truncation(o.get("top_k"), o.get("top_p"), o.get("min_p"))
     check_float("old_logp", old_logp)
     if old_logp.shape != h.shape[:2]:
         raise InputError(
@@ -157,7 +162,7 @@ def _prepare(
     chunk = auto_chunk(chunk_size, vocab, h.device, DEFAULT_FUSED_CHUNK_ELEMENTS)
     wants_entropy = entropy or isinstance(coef, Tensor) or coef != 0.0
     spec = LinearSpec(
-        LossSpec(objective, kl, mode, max_len), float(temperature), chunk, wants_entropy
+        LossSpec(objective, kl, mode, max_len), float(temperature), chunk, wants_entropy, trunc
     )
     ids = torch.where(valid, tok, 0).to(torch.int64)
     inputs = LinearInputs(ids, old_logp, adv, valid, ref_logp, is_weights, den, coef)
@@ -193,6 +198,9 @@ def linear_policy_loss(
     is_weights: Float[Tensor, "batch seq"] | None = None,
     entropy_coef: float | Float[Tensor, ""] = 0.0,
     chunk_size: int | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
 ) -> Float[Tensor, ""]:
     r"""The policy loss straight from the last hidden states: 3 matmuls, no logits tensor.
 
@@ -251,6 +259,11 @@ def linear_policy_loss(
             :func:`adaptive_entropy_coef`); 0 adds no term and computes no entropy.
         chunk_size: tokens per chunk; ``None`` picks ``max(1, E // vocab)`` with
             ``E = 2**25`` on CPU, ``2**27`` on GPUs (:func:`fused_logprobs_entropy`'s).
+        top_k, top_p, min_p: the rollout sampler's truncation (vLLM's rules; None: off,
+            bit for bit today's loss): :math:`\log\pi` and :math:`H` of the distribution
+            renormalised over the kept set and the chosen token, as in
+            :func:`token_logprobs`; exact on each chunk's full rows, gradients exact for
+            the kept set.
 
     Double backward (``create_graph=True``) differentiates the definition (the whole
     logits, the naive path's memory). Under ``torch.compile(fullgraph=True)`` the chunks
@@ -274,6 +287,7 @@ def linear_policy_loss(
         "objective": objective, "bias": bias, "temperature": temperature, "mode": mode,
         "normalizer": normalizer, "max_len": max_len, "ref_logp": ref_logp, "kl": kl,
         "is_weights": is_weights, "entropy_coef": entropy_coef, "chunk_size": chunk_size,
+        "top_k": top_k, "top_p": top_p, "min_p": min_p,
     }  # fmt: skip
     spec, h, w, b, t = _prepare(hidden, weight, tokens, old_logp, advantages, mask, options, False)
     return _run(spec, h, w, b, t)[0]
