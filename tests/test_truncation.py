@@ -308,10 +308,13 @@ def test_compile_fullgraph() -> None:
     tokens = torch.randint(0, 15, (6,), generator=g)
     opts = {"top_k": 6, "top_p": 0.8, "min_p": 0.02, "chunk_size": 4}
 
+    mask, old, adv = torch.ones(2, 3, dtype=torch.bool), torch.full((2, 3), -2.0), torch.ones(2)
+
     def step(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         fused = d.fused_logprobs_entropy(h, w, tokens, **opts)
         pair = d.token_logprobs_and_entropy(h @ w.T, tokens, **opts)
-        return fused.logp.sum() + 0.1 * fused.entropy.sum() + pair.logp.sum()
+        loss = d.linear_policy_loss(h.view(2, 3, 4), w, tokens.view(2, 3), old, adv, mask, **opts)
+        return fused.logp.sum() + 0.1 * fused.entropy.sum() + pair.logp.sum() + loss
 
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
