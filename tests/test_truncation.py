@@ -28,7 +28,9 @@ MARGIN = 1e-9
 # --------------------------------------------------------------------------- references
 
 
-def kept_reference(z: torch.Tensor, trunc: dict[str, float | int | None]) -> tuple[torch.Tensor, float]:
+def kept_reference(
+    z: torch.Tensor, trunc: dict[str, float | int | None]
+) -> tuple[torch.Tensor, float]:
     """Kept set of one row of scaled logits by the rules, and the smallest distance of a
     min-p ratio or a top-p mass to its bound (to exclude rounding ties)."""
     k, p, m = trunc.get("top_k"), trunc.get("top_p"), trunc.get("min_p")
@@ -129,8 +131,12 @@ def test_logits_path_equals_reference(data: st.DataObject) -> None:
     pair = d.token_logprobs_and_entropy(logits, tokens, **opts)
     torch.testing.assert_close(pair.logp, logp_ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(pair.entropy, ent_ref, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(d.token_logprobs(logits, tokens, **opts), logp_ref, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(d.token_entropy(logits, **{k: v for k, v in opts.items()}), h_alone, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        d.token_logprobs(logits, tokens, **opts), logp_ref, rtol=1e-12, atol=1e-12
+    )
+    torch.testing.assert_close(
+        d.token_entropy(logits, **{k: v for k, v in opts.items()}), h_alone, rtol=1e-12, atol=1e-12
+    )
     assert torch.isfinite(pair.logp).all()  # the chosen token always counts: never -inf
 
 
@@ -140,7 +146,9 @@ def test_kept_set_is_vllms(data: st.DataObject) -> None:
     """On continuous logits (no ties), the kept set is the one vLLM's sampler keeps."""
     rows, vocab = data.draw(st.integers(1, 6)), data.draw(st.integers(2, 40))
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
-    z = torch.randn(rows, vocab, generator=g, dtype=F64) * data.draw(st.sampled_from([0.5, 2.0, 6.0]))
+    z = torch.randn(rows, vocab, generator=g, dtype=F64) * data.draw(
+        st.sampled_from([0.5, 2.0, 6.0])
+    )
     k = data.draw(st.one_of(st.none(), st.integers(1, vocab)))
     p = data.draw(st.one_of(st.none(), st.floats(0.05, 0.999)))
     m = data.draw(st.one_of(st.none(), st.floats(0.001, 1.0)))
@@ -192,7 +200,12 @@ def test_off_values_change_nothing_bitwise() -> None:
     tok = torch.randint(0, 9, (2, 3), generator=g)
     mask = torch.ones(2, 3, dtype=torch.bool)
     old, adv = torch.full((2, 3), -2.0), torch.tensor([1.0, -0.5])
-    for off in ({}, {"top_k": None, "top_p": None, "min_p": None}, {"top_k": 0, "top_p": 1.0, "min_p": 0.0}, {"top_k": -1}):
+    for off in (
+        {},
+        {"top_k": None, "top_p": None, "min_p": None},
+        {"top_k": 0, "top_p": 1.0, "min_p": 0.0},
+        {"top_k": -1},
+    ):
         base = d.token_logprobs_and_entropy(logits, tokens, temperature=0.8)
         got = d.token_logprobs_and_entropy(logits, tokens, temperature=0.8, **off)
         assert torch.equal(base.logp, got.logp) and torch.equal(base.entropy, got.entropy)
@@ -220,7 +233,12 @@ def test_threshold_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
 @settings(max_examples=25)
 @given(data=st.data())
 def test_fused_and_linear_equal_the_logits_path(data: st.DataObject) -> None:
-    batch, seq, dim, vocab = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 5)), 3, data.draw(st.integers(2, 11))
+    batch, seq, dim, vocab = (
+        data.draw(st.integers(1, 3)),
+        data.draw(st.integers(1, 5)),
+        3,
+        data.draw(st.integers(2, 11)),
+    )
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
     hidden = torch.randn(batch, seq, dim, generator=g, dtype=F64)
     weight = torch.randn(vocab, dim, generator=g, dtype=F64)
@@ -245,11 +263,15 @@ def test_fused_and_linear_equal_the_logits_path(data: st.DataObject) -> None:
     h = hidden.clone().masked_fill(~mask[..., None], math.nan).requires_grad_(True)
     w = weight.clone().requires_grad_(True)
     ids = torch.where(mask, tokens, -100)
-    loss = d.linear_policy_loss(h, w, ids, old, adv, mask, objective=objective, bias=bias, entropy_coef=0.01, **opts)
+    loss = d.linear_policy_loss(
+        h, w, ids, old, adv, mask, objective=objective, bias=bias, entropy_coef=0.01, **opts
+    )
     loss.backward()
     h2, w2 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     pair = d.token_logprobs_and_entropy(h2 @ w2.T + bias, tokens, **opts)
-    ref = d.policy_loss(objective, pair.logp, old, adv, mask) + d.entropy_bonus(pair.entropy, mask, coef=0.01)
+    ref = d.policy_loss(objective, pair.logp, old, adv, mask) + d.entropy_bonus(
+        pair.entropy, mask, coef=0.01
+    )
     ref.backward()
     assert h.grad is not None and w.grad is not None and h2.grad is not None and w2.grad is not None
     torch.testing.assert_close(loss, ref, rtol=1e-10, atol=1e-12)
@@ -267,18 +289,31 @@ def test_gradcheck(trunc: dict) -> None:
     g = torch.Generator().manual_seed(7)
     logits = (torch.randn(6, 10, generator=g, dtype=F64) * 2).requires_grad_(True)
     tokens = torch.randint(0, 10, (6,), generator=g)
-    both = lambda x: tuple(d.token_logprobs_and_entropy(x, tokens, temperature=0.7, chunk_size=4, **trunc))  # noqa: E731
+
+    def both(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(
+            d.token_logprobs_and_entropy(x, tokens, temperature=0.7, chunk_size=4, **trunc)
+        )
+
     assert torch.autograd.gradcheck(both, (logits,))
     assert torch.autograd.gradgradcheck(both, (logits,))
     hidden = torch.randn(2, 3, 4, generator=g, dtype=F64, requires_grad=True)
     weight = torch.randn(10, 4, generator=g, dtype=F64, requires_grad=True)
     bias = torch.randn(10, generator=g, dtype=F64, requires_grad=True)
     tok = torch.randint(0, 10, (2, 3), generator=g)
-    fused = lambda h, w, b: tuple(d.fused_logprobs_entropy(h, w, tok, bias=b, chunk_size=4, **trunc))  # noqa: E731
+
+    def fused(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(d.fused_logprobs_entropy(h, w, tok, bias=b, chunk_size=4, **trunc))
+
     assert torch.autograd.gradcheck(fused, (hidden, weight, bias))
     mask = torch.tensor([[True, True, False], [True, False, False]])
     old, adv = torch.full((2, 3), -2.0, dtype=F64), torch.tensor([1.0, -1.0], dtype=F64)
-    linear = lambda h, w: d.linear_policy_loss(h, w, tok, old, adv, mask, entropy_coef=0.02, chunk_size=2, **trunc)  # noqa: E731
+
+    def linear(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return d.linear_policy_loss(
+            h, w, tok, old, adv, mask, entropy_coef=0.02, chunk_size=2, **trunc
+        )
+
     assert torch.autograd.gradcheck(linear, (hidden, weight))
     assert torch.autograd.gradgradcheck(linear, (hidden, weight))
 

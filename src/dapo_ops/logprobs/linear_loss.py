@@ -37,13 +37,13 @@ from dapo_ops.engine.aggregation import check_max_len, check_normalizer
 from dapo_ops.engine.kl import KLPenalty
 from dapo_ops.logprobs._fused_linear import DEFAULT_FUSED_CHUNK_ELEMENTS
 from dapo_ops.logprobs._linear_loss import LinearInputs, LinearPolicyLoss, LinearSpec, forward_pass
-from dapo_ops.logprobs._truncation import truncation
 from dapo_ops.logprobs._logprob_checks import (
     auto_chunk,
     check_options,
     check_projection,
     check_tokens,
 )
+from dapo_ops.logprobs._truncation import truncation
 from dapo_ops.objectives import ClipHigher, Objective
 
 __all__ = [

@@ -34,13 +34,13 @@ from dapo_ops._core._validate import InputError, shape_str
 from dapo_ops.logprobs._fused_linear import DEFAULT_FUSED_CHUNK_ELEMENTS
 from dapo_ops.logprobs._fused_logp_entropy import FusedLinearLogpEntropy
 from dapo_ops.logprobs._logits_path import from_logits
-from dapo_ops.logprobs._truncation import truncation
 from dapo_ops.logprobs._logprob_checks import (
     auto_chunk,
     check_options,
     check_projection,
     check_tokens,
 )
+from dapo_ops.logprobs._truncation import truncation
 
 __all__ = [
     "LogpEntropy",
