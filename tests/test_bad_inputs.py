@@ -168,6 +168,12 @@ BAD_INT1 = (0, -1, 2.5, NAN, True, "3")  # an int >= 1
 BAD_BOOL = (1, "yes", None)
 BAD_MODE = ("mean", "", None)
 BAD_NORM = (0.0, -1.0, NAN, INF)  # normalizer: a count > 0
+# the sampler's truncation: top_k an int >= 1 (None, 0, -1: off), top_p in (0, 1], min_p in [0, 1]
+TRUNC_OPTS = {
+    "top_k": (-2, 2.5, True, "3"),
+    "top_p": (0.0, 1.5, NAN, INF, "0.9"),
+    "min_p": (-0.1, 1.5, NAN, True),
+}
 # The covariance selections: nothing is differentiated (no constant to guard), and a
 # non-finite input makes the covariance non-finite (no candidate, or a documented draw).
 COV_LOGP = dataclasses.replace(LOGP_M, nan=ANY)
@@ -185,6 +191,7 @@ LINEAR_OPTS = {
     "entropy_coef": (NAN, INF, "0.1", None),
     "objective": (None, "clip"),
     "backend": ("cuda", "", None),
+    **TRUNC_OPTS,
 }
 
 REGISTRY: list[Spec] = [
@@ -212,10 +219,10 @@ REGISTRY: list[Spec] = [
     spec("value_loss", {"clip": BAD_POS, "mode": BAD_MODE, "normalizer": BAD_NORM, "max_len": BAD_INT1}, values=TOKEN, old_values=dataclasses.replace(TOKEN, const=True), returns=dataclasses.replace(TOKEN, const=True), mask=MASK),
     spec("truncated_is_weights", {"level": ("seq", None), "cap": BAD_POS, "lower": (-0.1, NAN, INF), "batch_normalize": BAD_BOOL}, old_logp=OLD, rollout_logp=OLD, mask=MASK),
     # ------------------------------------------------------------ log-probs
-    spec("fused_logprobs_entropy", {"temperature": BAD_POS, "chunk_size": BAD_INT1, "backend": ("cuda", "", None)}, hidden=HIDDEN, weight=WEIGHT, tokens=TOKENS, bias=Arg("float", ("V",), neginf=ANY)),
-    spec("token_entropy", {"temperature": BAD_POS, "chunk_size": BAD_INT1}, logits=LOGITS),
-    spec("token_logprobs", {"temperature": BAD_POS, "chunk_size": BAD_INT1, "inplace_backward": BAD_BOOL}, logits=LOGITS, tokens=TOKENS),
-    spec("token_logprobs_and_entropy", {"temperature": BAD_POS, "chunk_size": BAD_INT1, "inplace_backward": BAD_BOOL}, logits=LOGITS, tokens=TOKENS),
+    spec("fused_logprobs_entropy", {"temperature": BAD_POS, "chunk_size": BAD_INT1, **TRUNC_OPTS, "backend": ("cuda", "", None)}, hidden=HIDDEN, weight=WEIGHT, tokens=TOKENS, bias=Arg("float", ("V",), neginf=ANY)),
+    spec("token_entropy", {"temperature": BAD_POS, "chunk_size": BAD_INT1, **TRUNC_OPTS}, logits=LOGITS),
+    spec("token_logprobs", {"temperature": BAD_POS, "chunk_size": BAD_INT1, "inplace_backward": BAD_BOOL, **TRUNC_OPTS}, logits=LOGITS, tokens=TOKENS),
+    spec("token_logprobs_and_entropy", {"temperature": BAD_POS, "chunk_size": BAD_INT1, "inplace_backward": BAD_BOOL, **TRUNC_OPTS}, logits=LOGITS, tokens=TOKENS),
     # ------------------------------------------------------------ per batch
     spec("adaptive_entropy_coef", {"coef": (NAN, INF, "0.1"), "entropy": (NAN, "0.3", None), "target": (NAN, INF, "0.2"), "delta": (-0.1, NAN, INF), "coef_min": (NAN, 2.0), "coef_max": (NAN, -1.0)}, coef=0.1, entropy=0.3),
     spec("adaptive_kl_coef", {"coef": (NAN, INF, "0.1"), "current_kl": (NAN, "0.3", None), "target": (0.0, -1.0, NAN, INF, "0.1"), "n_steps": (-1, 2.5, True, "3"), "horizon": (0, -1, 2.5, True)}, coef=0.1, current_kl=0.3, n_steps=16),
