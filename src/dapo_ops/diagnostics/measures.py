@@ -22,7 +22,7 @@ from dapo_ops._core._validate import (
     check_tensor,
 )
 from dapo_ops.objectives import ClipHigher, Objective
-from dapo_ops.objectives.base import per_sequence_advantages, token_inputs
+from dapo_ops.objectives.base import check_objective_value, per_sequence_advantages, token_inputs
 from dapo_ops.rewards.sampling import kept_group_counts
 
 #: The default objective of :func:`policy_diagnostics`: DAPO's Clip-Higher.
@@ -151,8 +151,7 @@ def policy_diagnostics(
         >>> float(d.clip_frac_high)
         0.5
     """
-    if not isinstance(objective, Objective):
-        raise InputError(f"objective must be an Objective such as ClipHigher(), got {objective!r}")
+    check_objective_value(objective)
     return objective_diagnostics(objective, logp, old_logp, advantages, mask, entropy=entropy)
 
 

@@ -39,6 +39,7 @@ from dapo_ops._core._validate import (
     shape_str,
 )
 from dapo_ops.engine.aggregation import loss_scale, scaled_sum
+from dapo_ops.engine.checks import check_paired
 from dapo_ops.engine.kl import KL_ESTIMATORS, KLEstimator, KLPenalty
 from dapo_ops.objectives.base import check_field, check_number
 
@@ -136,14 +137,10 @@ class TeacherKL:
 
 def check_pair(distill: object, teacher_logp: object) -> None:
     """``distill`` and ``teacher_logp`` go together (policy_loss's keywords)."""
-    if distill is not None and not isinstance(distill, TeacherKL):
-        raise InputError(f"distill must be a TeacherKL (e.g. TeacherKL()) or None; got {distill!r}")
-    if (distill is None) != (teacher_logp is None):
-        raise InputError(
-            "distill and teacher_logp go together: the distillation term needs the teacher's "
-            f"log-probs, and teacher_logp is unused without it; got distill={distill!r} and "
-            f"teacher_logp={'a tensor' if teacher_logp is not None else None}"
-        )
+    check_paired(
+        "distill", distill, TeacherKL, "TeacherKL()", "teacher_logp", teacher_logp,
+        "the distillation term needs the teacher's log-probs",
+    )  # fmt: skip
 
 
 def _inputs(

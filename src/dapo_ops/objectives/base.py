@@ -130,6 +130,15 @@ def is_token_local(objective: Objective) -> bool:
     return bool(vars(type(objective)).get("token_local", False))
 
 
+def check_objective_value(objective: object, name: str = "objective") -> None:
+    """``InputError`` unless ``objective`` is an :class:`Objective` value."""
+    if not isinstance(objective, Objective):
+        raise InputError(
+            f"{name} must be a dapo_ops objective value such as ClipHigher(), GSPO() or "
+            f"CISPO() (a subclass of dapo_ops.objectives.Objective); got {objective!r}"
+        )
+
+
 def check_field(objective: object, name: str, ok: bool, expected: str) -> None:
     """Raise ``InputError`` naming ``Type.name`` and its value unless ``ok``."""
     if not ok:
