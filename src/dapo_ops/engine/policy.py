@@ -23,8 +23,9 @@ from dapo_ops.engine.kl import KLPenalty
 from dapo_ops.objectives.base import Objective
 
 
-class PolicyOptions(TypedDict, total=False):
-    """The keyword options of :func:`policy_loss`, for the functions that pass them on."""
+class LossOptions(TypedDict, total=False):
+    """The keyword options every policy loss takes (:func:`policy_loss`,
+    :func:`dapo_ops.linear_policy_loss`): aggregation, KL penalty, IS weights."""
 
     mode: AggregationMode
     normalizer: Normalizer
@@ -32,6 +33,11 @@ class PolicyOptions(TypedDict, total=False):
     ref_logp: Tensor | None
     kl: KLPenalty | None
     is_weights: Tensor | None
+
+
+class PolicyOptions(LossOptions, total=False):
+    """The keyword options of :func:`policy_loss`, for the functions that pass them on."""
+
     kl_weights: Tensor | None
     teacher_logp: Tensor | None
     distill: TeacherKL | None

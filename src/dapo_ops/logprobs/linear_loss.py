@@ -12,7 +12,7 @@ are in ``docs/linear_loss.md``.
 
 from __future__ import annotations
 
-from typing import NamedTuple, TypedDict
+from typing import NamedTuple
 
 import torch
 from jaxtyping import Bool, Float, Integer
@@ -36,6 +36,7 @@ from dapo_ops.engine.checks import (
     objective_inputs,
 )
 from dapo_ops.engine.kl import KLPenalty
+from dapo_ops.engine.policy import LossOptions
 from dapo_ops.logprobs._fused_linear import DEFAULT_FUSED_CHUNK_ELEMENTS
 from dapo_ops.logprobs._linear_loss import LinearInputs, LinearPolicyLoss, LinearSpec, forward_pass
 from dapo_ops.logprobs._logprob_checks import (
@@ -56,18 +57,12 @@ __all__ = [
 DAPO_CLIP = ClipHigher()
 
 
-class LinearOptions(TypedDict, total=False):
+class LinearOptions(LossOptions, total=False):
     """The keyword options of :func:`linear_policy_loss`."""
 
     objective: Objective
     bias: Tensor | None
     temperature: float
-    mode: AggregationMode
-    normalizer: Normalizer
-    max_len: int | None
-    ref_logp: Tensor | None
-    kl: KLPenalty | None
-    is_weights: Tensor | None
     entropy_coef: float | Tensor
     chunk_size: int | None
 
