@@ -146,6 +146,20 @@ def check_field(objective: object, name: str, ok: bool, expected: str) -> None:
         raise InputError(f"{type(objective).__name__}.{name} {expected}; got {value!r}")
 
 
+def check_positive(
+    objective: object, *names: str, zero_ok: bool = False, none_ok: bool = False
+) -> None:
+    """Each field a finite number > 0 (``zero_ok``: >= 0; ``none_ok``: or None), else
+    ``InputError`` naming ``Type.name`` and its value."""
+    bound = ">= 0" if zero_ok else "> 0"
+    for name in names:
+        if none_ok and getattr(objective, name) is None:
+            continue
+        value = check_number(objective, name)
+        ok = (value >= 0.0 if zero_ok else value > 0.0) and value < math.inf
+        check_field(objective, name, ok, f"must be finite and {bound}{' (or None)' * none_ok}")
+
+
 def check_number(objective: object, name: str) -> float:
     """The field as a float; ``InputError`` unless it is a real number (not a bool)."""
     value = getattr(objective, name)
