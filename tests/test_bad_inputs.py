@@ -184,6 +184,7 @@ LINEAR_OPTS = {
     "chunk_size": BAD_INT1,
     "entropy_coef": (NAN, INF, "0.1", None),
     "objective": (None, "clip"),
+    "backend": ("cuda", "", None),
 }
 
 REGISTRY: list[Spec] = [
@@ -210,7 +211,7 @@ REGISTRY: list[Spec] = [
     spec("token_level_loss", {"eps_low": BAD_PROB, "eps_high": (-0.1, NAN, INF), "mode": BAD_MODE, "normalizer": BAD_NORM, "dual_clip": (1.0, NAN), "max_len": BAD_INT1, "log_ratio_clamp": BAD_POS, "kl_beta": BAD_NONNEG, "kl_estimator": ("k9",), "compiled": BAD_BOOL, "return_diagnostics": BAD_BOOL}, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK, ref_logp=OLD, is_weights=IS_W, kl_beta=0.1),
     spec("truncated_is_weights", {"level": ("seq", None), "cap": BAD_POS, "lower": (-0.1, NAN, INF), "batch_normalize": BAD_BOOL}, old_logp=OLD, rollout_logp=OLD, mask=MASK),
     # ------------------------------------------------------------ log-probs
-    spec("fused_logprobs_entropy", {"temperature": BAD_POS, "chunk_size": BAD_INT1}, hidden=HIDDEN, weight=WEIGHT, tokens=TOKENS, bias=Arg("float", ("V",), neginf=ANY)),
+    spec("fused_logprobs_entropy", {"temperature": BAD_POS, "chunk_size": BAD_INT1, "backend": ("cuda", "", None)}, hidden=HIDDEN, weight=WEIGHT, tokens=TOKENS, bias=Arg("float", ("V",), neginf=ANY)),
     spec("token_entropy", {"temperature": BAD_POS, "chunk_size": BAD_INT1}, logits=LOGITS),
     spec("token_logprobs", {"temperature": BAD_POS, "chunk_size": BAD_INT1, "inplace_backward": BAD_BOOL}, logits=LOGITS, tokens=TOKENS),
     spec("token_logprobs_and_entropy", {"temperature": BAD_POS, "chunk_size": BAD_INT1, "inplace_backward": BAD_BOOL}, logits=LOGITS, tokens=TOKENS),

@@ -112,6 +112,13 @@ def _verl(h: torch.Tensor, w: torch.Tensor, x: dict[str, Any]) -> torch.Tensor:
     return _loss(logp, x)
 
 
+def no_triton() -> str | None:
+    """Why the Triton kernels' row cannot run here (they need a CUDA device), or None."""
+    if not installed("triton"):
+        return "triton is not installed (it ships with CUDA builds of torch)"
+    return None if torch.cuda.is_available() else "backend='triton' runs on CUDA devices only"
+
+
 def impls(quick: bool) -> list[Impl]:
     liger, verl = installed("liger_kernel"), installed("verl")
     no_liger = (
@@ -141,6 +148,16 @@ def impls(quick: bool) -> list[Impl]:
                 )
             ),
             missing=no_linear,
+        ),
+        Impl(
+            f"{LINEAR}, backend='triton'",
+            "ours",
+            _step(
+                lambda h, w, x: d.linear_policy_loss(
+                    h, w, x["tokens"], x["old"], x["adv"], x["mask"], backend="triton"
+                )
+            ),
+            missing=no_triton(),
         ),
         Impl(f"{tag_liger}, eager", "ref", _step(_liger(False)), missing=no_liger),
     ]

@@ -45,6 +45,7 @@ from dapo_ops.logprobs._logprob_checks import (
     check_projection,
     check_tokens,
 )
+from dapo_ops.logprobs._triton_dispatch import Backend, triton_policy_loss, use_triton
 from dapo_ops.objectives import ClipHigher, Objective
 
 __all__ = [
@@ -65,6 +66,7 @@ class LinearOptions(LossOptions, total=False):
     temperature: float
     entropy_coef: float | Tensor
     chunk_size: int | None
+    backend: Backend
 
 
 class LinearDiagnostics(NamedTuple):
@@ -136,8 +138,10 @@ def _prepare(
 
 
 def _run(
-    spec: LinearSpec, h: Tensor, w: Tensor, b: Tensor | None, t: LinearInputs
+    spec: LinearSpec, h: Tensor, w: Tensor, b: Tensor | None, t: LinearInputs, o: LinearOptions
 ) -> tuple[Tensor, Tensor, Tensor]:
+    if use_triton(o.get("backend", "auto"), h.device, o.get("chunk_size")):
+        return triton_policy_loss(spec, h, w, b, t)
     need = tuple(torch.is_grad_enabled() and x is not None and x.requires_grad for x in (h, w, b))
     if any(need):
         return LinearPolicyLoss.apply(h, w, b, spec, t)  # type: ignore[no-any-return,no-untyped-call]
@@ -164,6 +168,7 @@ def linear_policy_loss(
     is_weights: Float[Tensor, "batch seq"] | None = None,
     entropy_coef: float | Float[Tensor, ""] = 0.0,
     chunk_size: int | None = None,
+    backend: Backend = "auto",
 ) -> Float[Tensor, ""]:
     r"""The policy loss straight from the last hidden states: 3 matmuls, no logits tensor.
 
@@ -222,6 +227,11 @@ def linear_policy_loss(
             :func:`adaptive_entropy_coef`); 0 adds no term and computes no entropy.
         chunk_size: tokens per chunk; ``None`` picks ``max(1, E // vocab)`` with
             ``E = 2**25`` on CPU, ``2**27`` on GPUs (:func:`fused_logprobs_entropy`'s).
+        backend: ``"chunked"`` (the chunks above), ``"triton"`` (Triton kernels that keep
+            each tile of logits on chip: CUDA tensors, or CPU ones under
+            ``TRITON_INTERPRET=1``; eager only, no ``chunk_size``) or ``"auto"``: the
+            chunked path for now, the kernels on CUDA once measured there
+            (``docs/linear_loss.md``).
 
     Double backward (``create_graph=True``) differentiates the definition (the whole
     logits, the naive path's memory). Under ``torch.compile(fullgraph=True)`` the chunks
@@ -245,9 +255,10 @@ def linear_policy_loss(
         "objective": objective, "bias": bias, "temperature": temperature, "mode": mode,
         "normalizer": normalizer, "max_len": max_len, "ref_logp": ref_logp, "kl": kl,
         "is_weights": is_weights, "entropy_coef": entropy_coef, "chunk_size": chunk_size,
+        "backend": backend,
     }  # fmt: skip
     spec, h, w, b, t = _prepare(hidden, weight, tokens, old_logp, advantages, mask, options, False)
-    return _run(spec, h, w, b, t)[0]
+    return _run(spec, h, w, b, t, options)[0]
 
 
 def linear_policy_loss_with_diagnostics(
@@ -279,7 +290,7 @@ def linear_policy_loss_with_diagnostics(
         ((1, 3), True)
     """
     spec, h, w, b, t = _prepare(hidden, weight, tokens, old_logp, advantages, mask, options, True)
-    loss, logp, entropy = _run(spec, h, w, b, t)
+    loss, logp, entropy = _run(spec, h, w, b, t, options)
     objective = spec.loss.objective
     policy = objective_diagnostics(objective, logp, old_logp, advantages, mask, entropy=entropy)
     return loss, LinearDiagnostics(policy, logp.detach(), entropy.detach())

@@ -40,6 +40,7 @@ from dapo_ops.logprobs._logprob_checks import (
     check_projection,
     check_tokens,
 )
+from dapo_ops.logprobs._triton_dispatch import Backend, triton_logprobs_entropy, use_triton
 
 __all__ = [
     "LogpEntropy",
@@ -196,6 +197,7 @@ def fused_logprobs_entropy(
     bias: Float[Tensor, " vocab"] | None = None,
     temperature: float = 1.0,
     chunk_size: int | None = None,
+    backend: Backend = "auto",
 ) -> LogpEntropy:
     r"""Log-probs and entropies straight from hidden states: the logits never exist whole.
 
@@ -232,6 +234,9 @@ def fused_logprobs_entropy(
             on GPUs (882 rows at 152064): enough rows that adding each chunk's
             ``G.T @ h`` to the weight gradient (a read and write of ``[vocab, d]``) costs
             little next to its FLOPs. Smaller chunks lower peak memory and cost time.
+        backend: ``"chunked"``, ``"triton"`` or ``"auto"``, as in
+            :func:`dapo_ops.linear_policy_loss` (the kernels keep each tile of logits on
+            chip and store the log-sum-exp per row for backward).
 
     Double backward (``create_graph=True``) is supported as in :func:`token_logprobs`:
     the gradient is then formed from the whole ``hidden @ weight.T`` with differentiable
@@ -253,12 +258,16 @@ def fused_logprobs_entropy(
     tokens = check_tokens(tokens, rows_shape, f"hidden {shape_str(hidden)}", vocab)
     if tokens.device != hidden.device:
         raise InputError(f"tokens is on {tokens.device} but hidden is on {hidden.device}")
+    flat, ids = hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1).to(torch.int64)
+    if use_triton(backend, hidden.device, chunk_size):
+        logp, entropy = triton_logprobs_entropy(flat, weight, bias, ids, float(temperature))
+        return LogpEntropy(logp.view(rows_shape), entropy.view(rows_shape))
     chunk = auto_chunk(chunk_size, vocab, hidden.device, DEFAULT_FUSED_CHUNK_ELEMENTS)
     logp, entropy = FusedLinearLogpEntropy.apply(  # type: ignore[no-untyped-call]
-        hidden.reshape(-1, hidden.shape[-1]),
+        flat,
         weight,
         bias,
-        tokens.reshape(-1).to(torch.int64),
+        ids,
         float(temperature),
         chunk,
     )
