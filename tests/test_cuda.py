@@ -296,6 +296,7 @@ DOCUMENTED_SYNCS: dict[str, str] = {
     "opo_advantages": "lengths finite and >= 0",
     "overlong_reward": "lengths finite and >= 0",
     "passk_advantages": "two samples in every group",
+    "pf_ppo_resample": "weights finite; torch.multinomial",
     "token_logprobs": "token ids in [0, vocab)",
     "token_logprobs_and_entropy": "token ids in [0, vocab)",
 }

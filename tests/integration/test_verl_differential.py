@@ -8,9 +8,10 @@ per sequence and per token (mixed signs and zeros), on a batch with a fully mask
 and a single-token row. Loss and gradient must agree to 1e-10 relative, or to ``RTOL_1E8``
 where verl adds ``1e-8`` to a divisor (``seq-mean-token-mean``, ``geo_mean``); the
 metric dicts must have the same keys and values (verl's metrics divide by count ``+1e-8``
-as ours do), except that ``bypass_mode`` reports a subset of verl's ``rollout_corr/``
-statistics (the off-policy gap, ESS and rejected fraction; not the IS weights' own
-mean/min/max/std/fractions nor the per-option rejection statistics). The ``test_item_*`` tests are issue 28's items 1-5, each failing before.
+as ours do), ``bypass_mode``'s ``rollout_corr/`` statistics included (the off-policy gap,
+the IS weights' statistics and each rejection criterion's). The ``test_item_*`` tests are
+issue 28's items 1-5, each failing before, and ``test_bypass_metrics_are_verls`` its
+last gap (``bypass_mode`` reported a subset of verl's rollout-correction metrics).
 """
 
 from __future__ import annotations
@@ -37,9 +38,28 @@ AGG_MODES = (
 #: verl's ``+1e-8`` in a divisor of count n >= 1 moves a value by at most 1e-8 relative.
 RTOL_1E8 = 2e-8
 RTOL = 1e-10
+#: bypass_mode's off-policy gap comes from dapo_ops.offpolicy_metrics, which divides by
+#: per-row and batch counts where verl divides by count + 1e-8, then exponentiates or
+#: squares: a few 1e-8 relative (metrics tolerance 1e-7). The IS weights' and rejection
+#: statistics are computed as verl computes them: float64 rounding (1e-12).
+OFF_POLICY_GAP = "rollout_corr/"
+ROLLOUT_STATISTICS = ("rollout_corr/rollout_is_", "rollout_corr/rollout_rs_")
 
 _CLIP = [{}, {"clip_ratio_low": 0.1, "clip_ratio_high": 0.28, "clip_ratio_c": 2.0}]
 _RC = "rollout_correction"
+
+
+def _rc(loss_type: str, level: str | None, at: Any = 2.0, normalize: bool = False,
+        rs: str | None = None, rs_at: Any = None) -> dict[str, Any]:  # fmt: skip
+    """``bypass_mode``'s knobs: a ``RolloutCorrectionConfig``'s IS level, threshold
+    (``"lower_upper"``: IcePop), batch normalisation, rejection options and thresholds."""
+    fields = {
+        "loss_type": loss_type, "rollout_is": level, "rollout_is_threshold": at,
+        "rollout_is_batch_normalize": normalize, "rollout_rs": rs, "rollout_rs_threshold": rs_at,
+    }  # fmt: skip
+    return {"policy_loss": {_RC: fields}}
+
+
 #: loss_mode -> the config variants of its grid (actor fields, ``policy_loss`` fields).
 KNOBS: dict[str, list[dict[str, Any]]] = {
     "vanilla": [*_CLIP, {"clip_ratio": 0.3, "clip_ratio_low": None, "clip_ratio_high": None}],
@@ -60,19 +80,21 @@ KNOBS: dict[str, list[dict[str, Any]]] = {
         {"policy_loss": {"kl_cov_ratio": 0.05, "ppo_kl_coef": 0.7}},
         {"policy_loss": {"kl_cov_ratio": 0.1, "ppo_kl_coef": 0.0}},
     ],
-    "bypass_mode": [
-        {"policy_loss": {_RC: {"rollout_is": "token", "rollout_is_threshold": 1.5}}},
-        {"policy_loss": {_RC: {"loss_type": "reinforce", "rollout_is": "sequence"}}},
-        {
-            "policy_loss": {
-                _RC: {
-                    "loss_type": "reinforce",
-                    "rollout_is": "token",
-                    "rollout_rs": "token_k1",
-                    "rollout_rs_threshold": "0.5_1.5",
-                }
-            }
-        },
+    "bypass_mode": [  # every rollout_is level and threshold kind, every rollout_rs option
+        _rc("ppo_clip", "token", 1.5, normalize=True),
+        _rc("reinforce", "sequence"),
+        _rc("reinforce", "token", rs="token_k1", rs_at="0.5_1.5"),
+        _rc("reinforce", "sequence", "0.5_3.0", True, "seq_mean_k3,seq_max_k2", "0.15,0.3"),
+        _rc("ppo_clip", None, rs="seq_sum_k1,token_k3,seq_mean_k1", rs_at="0.3_2.0,0.1,1.2"),
+        _rc(
+            "reinforce",
+            "token",
+            "0.6_1.8",
+            True,
+            "token_k2,seq_sum_k2,seq_sum_k3,seq_mean_k2,seq_max_k3",
+            "0.3,1.5,1.5,0.15,0.5",
+        ),
+        _rc("reinforce", "sequence", 3.0, normalize=True, rs="seq_sum_k1", rs_at=4.0),
     ],
 }
 
@@ -147,15 +169,13 @@ def compare(name: str, knobs: dict[str, Any], mode: str, info: dict[str, Any], *
     if not metrics:
         return None
     keys = set(theirs[2])
-    if name == "bypass_mode":  # a documented subset of verl's rollout_corr/ statistics
-        keys = {k for k in keys if k.startswith("actor/")} | (keys & set(ours[2]))
-    if sorted(ours[2]) != sorted(keys):
-        return f"{point}: metric keys {sorted(ours[2])} vs verl {sorted(keys)}"
+    if set(ours[2]) != keys:
+        missing, extra = sorted(keys - set(ours[2])), sorted(set(ours[2]) - keys)
+        return f"{point}: metric keys lack {missing}, add {extra}"
     for key in keys:
         value = theirs[2][key]
-        # verl's rollout_corr/ statistics divide by per-row and batch counts + 1e-8, then
-        # exponentiate or square: a few 1e-8 relative
-        tol = 1e-7 if key.startswith("rollout_corr/") else 1e-9
+        tol = 1e-7 if key.startswith(OFF_POLICY_GAP) else 1e-9
+        tol = 1e-12 if key.startswith(ROLLOUT_STATISTICS) else tol
         if abs(ours[2][key] - value) > tol * (1 + abs(value)):
             return f"{point}: {key} {ours[2][key]!r} vs verl {value!r}"
     return None
@@ -226,3 +246,11 @@ def test_item_5_kl_cov_ties_select_as_verl() -> None:
     theirs = run(core_algos.get_policy_loss_fn("kl_cov"), b, "token-sum", config, False)
     ours = run(policy_loss_fn("kl_cov"), b, "token-sum", config, False)
     assert close(ours[0], theirs[0], RTOL) and close(ours[1], theirs[1], RTOL)
+
+
+def test_bypass_metrics_are_verls() -> None:
+    """Issue 28's last gap: every rollout-correction statistic verl logs, with its value."""
+    for knobs in KNOBS["bypass_mode"]:
+        found = compare("bypass_mode", knobs, "token-mean", {}, scale=None, weights=False,
+                        per_token=False)  # fmt: skip
+        assert found is None, found

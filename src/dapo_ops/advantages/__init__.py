@@ -7,6 +7,7 @@ were names of the 0.1.0 module ``dapo_ops.advantages`` and stay importable from 
 from dapo_ops.advantages.estimators import (
     gdpo_advantages,
     gpg_advantages,
+    maxrl_advantages,
     opo_advantages,
     passk_advantages,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "gpg_advantages",
     "group_advantages",
     "masked_whiten",
+    "maxrl_advantages",
     "opo_advantages",
     "optimal_token_baseline_advantages",
     "passk_advantages",

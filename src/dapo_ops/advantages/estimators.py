@@ -1,4 +1,4 @@
-"""Outcome advantage estimators beyond GRPO's: the ones verl 0.9.1 registers, vectorised.
+"""Outcome advantage estimators beyond GRPO's: the ones verl 0.9.1 registers, and MaxRL (SkyRL), vectorised.
 
 They take one score per sample (``[batch]`` with ``group_ids``, or dense ``[groups,
 samples]``) and return one advantage per sample: broadcast it over the response
@@ -109,6 +109,43 @@ def gpg_advantages(
     nonzero = (x != 0).sum().clamp(min=1).to(x.dtype)
     alpha = x.numel() / nonzero
     return restore(seg, alpha * (x - mean[seg.segment]) / f_norm)
+
+
+def maxrl_advantages(
+    scores: Float[Tensor, " batch"] | Float[Tensor, "groups samples"],
+    group_ids: Integer[Tensor, " batch"] | None = None,
+    *,
+    eps: float = 1e-6,
+) -> Float[Tensor, " batch"] | Float[Tensor, "groups samples"]:
+    r"""MaxRL: the group-centred score divided by the group mean, not the std.
+
+    :math:`A_i = (s_i - \bar s_g) / (\bar s_g + \epsilon)`. For 0/1 rewards with
+    :math:`K` of :math:`G` samples right, a right sample gets :math:`(G-K)/K` and a wrong
+    one :math:`-1`: the :math:`1/p` weighting of maximum likelihood, so a hard prompt
+    (small pass rate :math:`p`) weighs more. An all-zero group gives 0. A one-sample group
+    keeps its raw score (baseline 0, as SkyRL). Meant for non-negative rewards (a pass
+    rate): a negative group mean is not refused, but its sign flips the advantages.
+
+    Tajwar et al. 2026, "Maximum Likelihood Reinforcement Learning" (arXiv:2602.02710).
+    Peers: SkyRL (``ppo_utils.compute_maxrl_advantage``, ``adv_estimator="maxrl"``,
+    ``epsilon=1e-6``: the default here), prime-rl. Same layouts as
+    :func:`group_advantages`.
+
+    Example:
+        >>> maxrl_advantages(torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]))
+        tensor([[ 3.0000, -1.0000, -1.0000, -1.0000],
+                [ 0.0000,  0.0000,  0.0000,  0.0000]])
+    """
+    eps = check_real("eps", eps)
+    if eps < 0:
+        raise InputError(f"eps must be >= 0, got {eps}")
+    seg, x, count = _grouped(scores, group_ids)
+    mean = segment_sum(seg, x) / torch.where(count == 0, 1.0, count)
+    many = (count > 1)[seg.segment]
+    base = mean[seg.segment]
+    den = torch.where(many, base + eps, 1.0)
+    adv = torch.where(many, (x - base) / torch.where(den == 0, 1.0, den), x)
+    return restore(seg, adv)
 
 
 def passk_advantages(

@@ -53,7 +53,7 @@ def gspo_sequence_ratio(
 def gspo_surrogate(
     logp: Float[Tensor, "batch seq"],
     old_logp: Float[Tensor, "batch seq"],
-    advantages: Float[Tensor, " batch"] | Float[Tensor, "batch 1"],
+    advantages: Float[Tensor, " batch"] | Float[Tensor, "batch 1"] | Float[Tensor, "batch seq"],
     mask: Bool[Tensor, "batch seq"] | Integer[Tensor, "batch seq"],
     *,
     eps_low: float = 3e-4,
@@ -68,7 +68,9 @@ def gspo_surrogate(
     ``verl_clamp`` option for verl's clamp).
 
     Shapes: logp, old_logp, mask ``[batch, seq]``; advantages ``[batch]`` or ``[batch, 1]``
-    (one per sequence). Returns ``[batch, seq]``, 0 at masked positions.
+    (one per sequence), or ``[batch, seq]`` (each token's own, as GAE or per-token shaping
+    gives: token ``t`` carries ``-A_t s_i``, clipped by the sign of ``A_t``, as verl's
+    ``gspo``). Returns ``[batch, seq]``, 0 at masked positions.
 
     Defaults: ``eps_low=3e-4, eps_high=4e-4`` from the GSPO paper. verl:
     ``policy_loss.loss_mode="gspo"``.

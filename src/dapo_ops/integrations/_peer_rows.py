@@ -21,7 +21,7 @@ class Row(NamedTuple):
 #: Where a dapo_ops name may live (the trainer class is built on first access: not imported).
 _MODULES = ("dapo_ops", *(f"dapo_ops.integrations.{m}" for m in (
     "trl", "trl_sampling", "openrlhf", "verl", "verl_losses", "verl_composed", "verl_sampling",
-    "verl_estimators", "verl_advantages", "verl_distill")))  # fmt: skip
+    "verl_estimators", "verl_advantages", "verl_distill", "verl_value")))  # fmt: skip
 _LAZY = {"DapoGRPOTrainer"}
 
 
@@ -76,6 +76,12 @@ ROWS: list[Row] = [
         "verl's per-sequence geometric-mean IS weight in the twin"),
     Row(_OBJ, "DRO", "DRO", (), ("dro",)),
     Row(_OBJ, "policy gradient (GPG)", "PolicyGradient", (), ("gpg",)),
+    Row(_OBJ, "TOPR: Tapered Off-Policy REINFORCE (Le Roux et al. 2025)", "TOPR", (), (), (),
+        "ROLL's loss (postive_loss_coef, use_topr_neg_loss_coef); ROLL is not installable here: "
+        "compared with a float64 reference of its formula (tests/test_peer_formulas.py)"),
+    Row(_OBJ, "PPO clipped value (critic) loss", "value_loss; verl_value.compute_value_loss", (),
+        ("compute_value_loss", "critic.cliprange_value"), (), "every loss_agg_mode, float64 value "
+        "and gradient against verl's (tests/integration/test_verl_value.py)", verl_kind="option"),
     Row(_OBJ, "Clip-Cov (Cui et al. 2025)", "clip_cov_mask; RatioSurrogate", (), ("clip_cov",)),
     Row(_OBJ, "KL-Cov (Cui et al. 2025)", "kl_cov_mask; policy_loss(kl_weights=...)", (),
         ("kl_cov",)),
@@ -110,6 +116,11 @@ ROWS: list[Row] = [
         "KLPenalty(straight_through=True); openrlhf_kl", (), ("k1+", "k3+", "low_var_kl+"),
         ("unbiased_gradient=True",), "OpenRLHF weights the gradient by min(ratio to the old "
         "policy, 10)", verl_kind="option"),
+    Row(_KL, "KL in the reward, fixed or adaptive coefficient (Ziegler et al. 2019)",
+        "kl_reward; adaptive_kl_coef; verl_value.apply_kl_penalty", (),
+        ("apply_kl_penalty", "AdaptiveKLController", "FixedKLController"), (),
+        "algorithm.use_kl_in_reward; float64 against verl's, every kl_penalty",
+        verl_kind="option"),
     Row(_KL, "KL term times the (token or sequence) ratio", "trl_policy_loss", (
         "use_bias_correction_kl",)),
     Row(_DIST, "reverse KL to a teacher, k1 (log-ratio): as the advantage",
@@ -162,6 +173,10 @@ ROWS: list[Row] = [
         verl_kind="estimator"),
     Row(_ADV, "GPG: group baseline, rescaled", "gpg_advantages", (), ("gpg",),
         verl_kind="estimator"),
+    Row(_ADV, "MaxRL: group baseline over the group mean (Tajwar et al. 2026)",
+        "maxrl_advantages", (), (), (), "SkyRL's and prime-rl's maxrl; not installable here: "
+        "compared with a float64 reference of SkyRL's compute_maxrl_advantage "
+        "(tests/test_peer_formulas.py)"),
     Row(_ADV, "optimal token baseline", "optimal_token_baseline_advantages", (),
         ("optimal_token_baseline",), (), "verl's trainer passes sum_pi_squared to its own name "
         "only: verl_estimators.register_estimators(replace_verl=True)", verl_kind="estimator"),
@@ -219,6 +234,10 @@ ROWS: list[Row] = [
         "with a positive advantage may gain probability; refused as a mis-set option"),
     Row(_OPT, "cispo with epsilon_high <= 0", "", ("epsilon_high",), note="a cap <= 0 zeroes "
         "every weight, hence every gradient; refused"),
+    Row(_FILTER, "PF-PPO: resample towards extreme rewards (Shen et al. 2024)",
+        "pf_ppo_weights; pf_ppo_resample; verl_value.compute_pf_ppo_reweight_data", (),
+        ("compute_pf_ppo_reweight_data", "algorithm.use_pf_ppo"), (), "the same indices as "
+        "verl's under the same seed, every reweight_method", verl_kind="option"),
     Row(_FILTER, "drop groups with a constant metric, generate more (DAPO)",
         "verl_sampling.filter_groups; DapoGRPOTrainer(dynamic_sampling=True)", (),
         ("algorithm.filter_groups",), (), "TRL 1.16 has none: DapoGRPOTrainer adds it; verl "

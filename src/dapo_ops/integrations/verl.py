@@ -16,10 +16,14 @@
   ``dapo_ops_<loss_mode>``; :mod:`dapo_ops.integrations.verl_estimators` registers the
   optimal-token-baseline estimators as ``dapo_ops_optimal_token_baseline`` and
   ``dapo_ops_tir_optimal_token_baseline``.
-- :func:`register` puts all of them into verl's registries. Importing this module in a process
-  that has imported verl registers them too, so
-  ``VERL_USE_EXTERNAL_MODULES=dapo_ops.integrations.verl`` (which verl imports in every
-  process that imports verl, Ray workers included) is all a verl run needs.
+- :func:`register` puts all of them into verl's registries. A verl run needs no line of
+  ours: the installed package declares :mod:`dapo_ops.integrations.verl_plugin` under
+  verl's ``verl.plugins`` entry points, which verl loads in every process that imports it
+  (Ray workers included), and that registers everything once
+  ``verl.trainer.ppo.core_algos`` is imported. Importing this module does the same, in
+  either order (now if ``core_algos`` is loaded, else right after it is), so
+  ``VERL_USE_EXTERNAL_MODULES=dapo_ops.integrations.verl`` is the fallback where entry
+  points are off (``VERL_USE_EXTERNAL_PLUGINS=none``).
 
 Importing this module does not import verl (nor does ``import dapo_ops``). Tested against
 verl 0.9.1 (``tests/integration/test_verl.py``): equal to verl's ``vanilla`` loss (value,
@@ -33,15 +37,15 @@ Example:
 
 from __future__ import annotations
 
-import sys
-
 from dapo_ops.integrations._verl_common import VERL_AGG_MODES, ppo_kl, verl_aggregation
 from dapo_ops.integrations.verl_advantages import (
     compute_grpo_outcome_advantage,
     register_advantages,
 )
+from dapo_ops.integrations.verl_distill import register_distillation
 from dapo_ops.integrations.verl_estimators import register_estimators
 from dapo_ops.integrations.verl_losses import policy_loss_fn, register_all
+from dapo_ops.integrations.verl_plugin import DISTILL_LOSSES, after_import, register_when_ready
 
 #: The names this module registers under in verl.
 LOSS_NAME = "dapo_ops"
@@ -60,9 +64,12 @@ compute_policy_loss = policy_loss_fn("vanilla", "compute_policy_loss")
 
 def register(loss_name: str = LOSS_NAME, adv_estimator_name: str = ADV_ESTIMATOR_NAME) -> None:
     """Register :func:`compute_policy_loss`, :func:`compute_grpo_outcome_advantage` and the
-    other ``dapo_ops_*`` losses and estimators in verl.
+    other ``dapo_ops_*`` losses and estimators in verl, and the distillation losses of
+    :mod:`dapo_ops.integrations.verl_distill` where verl's distillation package imports.
 
-    Idempotent (a second call replaces the entries). Imports ``verl.trainer.ppo.core_algos``.
+    Idempotent (a second call replaces the entries). Imports ``verl.trainer.ppo.core_algos``;
+    importing this module calls it as soon as that is loaded
+    (:func:`~dapo_ops.integrations.verl_plugin.register_when_ready`).
     """
     from verl.trainer.ppo import core_algos
 
@@ -73,10 +80,10 @@ def register(loss_name: str = LOSS_NAME, adv_estimator_name: str = ADV_ESTIMATOR
     # register_adv_est refuses a second function under a name (a reloaded module's).
     core_algos.ADV_ESTIMATOR_REGISTRY.pop(adv_estimator_name, None)
     core_algos.register_adv_est(adv_estimator_name)(compute_grpo_outcome_advantage)
+    # The dapo_ops_<name> distillation losses, in a registry verl imports later (or never:
+    # its distillation package needs Pillow), so when that module has loaded.
+    after_import(DISTILL_LOSSES, register_distillation)
 
-
-if "verl" in sys.modules:  # imported inside a verl process (e.g. VERL_USE_EXTERNAL_MODULES)
-    register()
 
 __all__ = [
     "ADV_ESTIMATOR_NAME",
@@ -88,3 +95,6 @@ __all__ = [
     "register",
     "verl_aggregation",
 ]
+
+# Now if verl.trainer.ppo.core_algos is loaded, else right after its first import.
+register_when_ready(register)

@@ -24,16 +24,15 @@ from typing import Any
 from torch import Tensor
 
 from dapo_ops._core._validate import InputError
-from dapo_ops.correction.importance import rejection_mask, truncated_is_weights
 from dapo_ops.correction.offpolicy import offpolicy_metrics
 from dapo_ops.integrations._verl_common import (
     CLIP_METRICS,
     Call,
     _config_value,
     kl_raw,
-    masked_mean,
     policy_loss_option,
 )
+from dapo_ops.integrations._verl_rollout_corr import rollout_is, rollout_rs
 
 
 def _threshold_pair(spec: Any, field: str) -> tuple[float, float | None]:
@@ -90,13 +89,11 @@ _EMPTY_ROW = {
 }  # fmt: skip
 
 
-def verl_offpolicy_metrics(
-    current: Tensor, rollout: Tensor, mask: Tensor, weights: Tensor | None
-) -> dict[str, float]:
-    """verl's ``rollout_corr/`` off-policy metrics (and the IS weights' ESS): those of
-    :func:`dapo_ops.offpolicy_metrics`, with empty rows counted as verl counts them."""
-    gap = {k: float(v) for k, v in offpolicy_metrics(current, rollout, mask, is_weights=weights)._asdict().items()}  # fmt: skip
-    ess = gap.pop("is_ess")
+def verl_offpolicy_metrics(current: Tensor, rollout: Tensor, mask: Tensor) -> dict[str, float]:
+    """verl's off-policy metrics (unprefixed): those of :func:`dapo_ops.offpolicy_metrics`,
+    with empty rows counted as verl counts them."""
+    gap = {k: float(v) for k, v in offpolicy_metrics(current, rollout, mask)._asdict().items()}
+    del gap["is_ess"]  # verl's ESS is a statistic of its IS weights (rollout_is)
     rows = mask.shape[0]
     empty = rows - int(mask.any(dim=-1).sum())
     if empty:
@@ -104,19 +101,17 @@ def verl_offpolicy_metrics(
             gap[key] = (gap[key] * (rows - empty) + value * empty) / rows
         gap["log_ppl_diff_max"] = max(gap["log_ppl_diff_max"], 0.0)
         gap["log_ppl_diff_min"] = min(gap["log_ppl_diff_min"], 0.0)
-    out = {f"rollout_corr/{k}": v for k, v in gap.items()}
-    if weights is not None:
-        out["rollout_corr/rollout_is_eff_sample_size"] = ess
-    return out
+    return gap
 
 
 def bypass_step(call: Call) -> Call:
     """verl's ``bypass_mode``: ``old_log_prob`` is the rollout's log-prob; the IS weights
     and rejection mask come from ``config.policy_loss.rollout_correction`` (verl ignores
     ``rollout_is_weights`` here, and so do we). The loss's metrics are ``vanilla``'s
-    (``ppo_clip``) or ``actor/ppo_kl`` (``reinforce``), plus verl's ``rollout_corr/``
-    off-policy metrics (:func:`dapo_ops.offpolicy_metrics`), ESS and rejected fraction.
-    verl raises on an all-masked micro-batch; this gives 0."""
+    (``ppo_clip``) or ``actor/ppo_kl`` (``reinforce``), plus every ``rollout_corr/``
+    metric verl logs: the off-policy gap (:func:`dapo_ops.offpolicy_metrics`), the IS
+    weights' statistics and each rejection option's (``_verl_rollout_corr``).
+    verl raises on an all-masked micro-batch; this gives a loss of 0, finite metrics."""
     corr = policy_loss_option(call.config, "rollout_correction", None)
     if corr is None:
         raise InputError(
@@ -129,28 +124,25 @@ def bypass_step(call: Call) -> Call:
         )
     mask, rollout = call.mask, call.old_log_prob
     current = call.log_prob.detach()
-    weights = None
+    weights, kept, stats = None, mask, dict[str, float]()
     level = _config_value(corr, "rollout_is", None)
     if level is not None:
         threshold = _config_value(corr, "rollout_is_threshold", 2.0)
         cap, lower = _threshold_pair(threshold, "rollout_correction.rollout_is_threshold")
-        weights = truncated_is_weights(
-            current, rollout, mask, level=level, cap=cap, lower=lower,
-            batch_normalize=bool(_config_value(corr, "rollout_is_batch_normalize", False)),
-        )  # fmt: skip
-    kept = mask
+        normalize = bool(_config_value(corr, "rollout_is_batch_normalize", False))
+        weights, stats = rollout_is(
+            current, rollout, mask, level=level, cap=cap, lower=lower, normalize=normalize
+        )
     rs = _config_value(corr, "rollout_rs", None)
     if rs is not None:
-        rs_threshold = _config_value(corr, "rollout_rs_threshold", None)
-        for criterion in rollout_rs_criteria(rs, rs_threshold):
-            kept = kept & rejection_mask(current, rollout, mask, **criterion)
-    extra = verl_offpolicy_metrics(current, rollout, mask, weights)
-    if rs is not None:
-        extra["rollout_corr/rollout_rs_masked_fraction"] = masked_mean((~kept).double(), mask)
+        criteria = rollout_rs_criteria(rs, _config_value(corr, "rollout_rs_threshold", None))
+        kept, rejection = rollout_rs(current, rollout, mask, criteria)
+        stats |= rejection
+    stats |= verl_offpolicy_metrics(current, rollout, mask)
     reinforce = loss_type == "reinforce"  # ppo_clip: the ratio to the rollout is the correction
     return call._replace(
         mask=kept,
         is_weights=weights if reinforce else None,
         metrics={"actor/ppo_kl": kl_raw} if reinforce else CLIP_METRICS,
-        extra=extra,
+        extra={f"rollout_corr/{k}": v for k, v in stats.items()},
     )

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 from typing import Any
 
 import torch
@@ -146,8 +145,12 @@ def register_distillation() -> None:
     losses.register_distillation_loss(settings)(compute_distillation_loss)
 
 
-if "verl" in sys.modules:  # imported inside a verl process (e.g. VERL_USE_EXTERNAL_MODULES)
-    register_distillation()
+# Imported on its own inside a verl process (VERL_USE_EXTERNAL_MODULES): register every
+# twin, these included, now or once verl's core_algos is loaded. Imported here, after the
+# definitions: registering imports dapo_ops.integrations.verl, which imports this module.
+from dapo_ops.integrations.verl_plugin import register_when_ready  # noqa: E402
+
+register_when_ready()
 
 __all__ = [
     "DISTILL_NAMES",

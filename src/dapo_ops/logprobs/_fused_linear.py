@@ -30,6 +30,7 @@ from torch import Tensor
 from dapo_ops._core._validate import is_compiling
 from dapo_ops.logprobs._logprob_checks import compute_dtype
 from dapo_ops.logprobs._softmax_blocks import LOGP_FLOOR
+from dapo_ops.logprobs._truncation import Truncation, truncated
 
 #: Rows per chunk when ``chunk_size`` is None: ``max(1, E // vocab)``. The weight gradient
 #: is a sum of one ``G.T @ h`` per chunk, each reading and writing all of ``[vocab, d]``:
@@ -77,6 +78,7 @@ class Chunks:
     buf: Tensor  # [chunk, vocab], compute dtype
     nbuf: Tensor  # [chunk, vocab], input dtype (narrow only)
     scratch: Tensor | None = None
+    trunc: Truncation | None = None  # the sampler's truncation (top-k, top-p, min-p)
 
     def release(self) -> None:
         """Drop the buffers (before the gradients are rounded to the input dtype, so the
@@ -97,11 +99,23 @@ class Chunks:
 
     def log_softmax(self, h: Tensor) -> Tensor:
         """``log softmax((h @ W.T + b) / T)`` of one chunk, ``[n, vocab]`` in the compute
-        dtype; the matmul in the input dtype. Overwritten by the next chunk."""
+        dtype; the matmul in the input dtype. Overwritten by the next chunk. (Without
+        truncation; :meth:`kept_log_softmax` for the general case.)"""
+        return self.kept_log_softmax(h, None, None)[0]
+
+    def kept_log_softmax(
+        self, h: Tensor, tok: Tensor | None, tau: Tensor | None
+    ) -> tuple[Tensor, Tensor | None]:
+        """:meth:`log_softmax` over the kept set when truncating (``tok`` the chosen ids
+        ``[n, 1]``, always kept; ``tau`` the saved thresholds, or None to find them), and
+        the thresholds used (None without truncation)."""
         n, weight, bias, temp = h.shape[0], self.weight, self.bias, self.temperature
         if self.functional:
             z = linear(h, weight, bias).to(self.cdt)
-            return torch.log_softmax(z if temp == 1.0 else z / temp, dim=1)
+            z = z if temp == 1.0 else z / temp
+            if self.trunc is not None:
+                z, tau = truncated(z, self.trunc, tok, tau, False)
+            return torch.log_softmax(z, dim=1), tau
         z = self.buf[:n]
         mm = self.nbuf[:n] if self.narrow else z
         if bias is None:
@@ -112,14 +126,16 @@ class Chunks:
             z.copy_(mm)
         if temp != 1.0:
             z.div_(temp)
+        if self.trunc is not None:
+            z, tau = truncated(z, self.trunc, tok, tau, True)
         if self.in_place:  # the CPU kernel reads each row before it writes it
-            return torch._log_softmax(z, 1, False, out=z)
-        return torch.log_softmax(z, dim=1)
+            return torch._log_softmax(z, 1, False, out=z), tau
+        return torch.log_softmax(z, dim=1), tau
 
     def floor_(self, lp: Tensor) -> Tensor:
-        """``lp`` floored at ``LOGP_FLOOR`` where a ``-inf`` logit can occur (a bias), so
-        that ``p log p`` is ``0 * finite``; no value of ``p`` changes."""
-        if self.bias is None:
+        """``lp`` floored at ``LOGP_FLOOR`` where a ``-inf`` logit can occur (a bias or a
+        truncation), so that ``p log p`` is ``0 * finite``; no value of ``p`` changes."""
+        if self.bias is None and self.trunc is None:
             return lp
         return lp.clamp(min=LOGP_FLOOR) if self.functional else lp.clamp_(min=LOGP_FLOOR)
 
@@ -168,7 +184,12 @@ class Chunks:
 
 
 def chunks_for(
-    hidden: Tensor, weight: Tensor, bias: Tensor | None, chunk: int, temperature: float
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    chunk: int,
+    temperature: float,
+    trunc: Truncation | None = None,
 ) -> Chunks:
     rows, vocab = hidden.shape[0], weight.shape[0]
     cdt = compute_dtype(hidden.dtype)
@@ -181,7 +202,7 @@ def chunks_for(
     in_place = hidden.device.type == "cpu"
     return Chunks(
         weight, bias, temperature, rows, vocab, cdt, narrow, functional, chunk, piece, in_place,
-        buf, nbuf,
+        buf, nbuf, None, trunc,
     )  # fmt: skip
 
 

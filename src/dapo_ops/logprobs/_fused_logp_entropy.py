@@ -13,6 +13,7 @@ from torch.autograd.function import FunctionCtx
 
 from dapo_ops.logprobs._fused_linear import Chunks, Grads, chunks_for, grads_for, linear
 from dapo_ops.logprobs._softmax_blocks import grad_with_graph
+from dapo_ops.logprobs._truncation import Truncation
 
 
 class FusedLinearLogpEntropy(torch.autograd.Function):
@@ -28,18 +29,22 @@ class FusedLinearLogpEntropy(torch.autograd.Function):
         tokens: Tensor,
         temperature: float,
         chunk: int,
+        trunc: Truncation | None = None,
     ) -> tuple[Tensor, Tensor]:
-        chunks = chunks_for(hidden, weight, bias, chunk, temperature)
+        chunks = chunks_for(hidden, weight, bias, chunk, temperature, trunc)
         tok = tokens.unsqueeze(1)
-        logp, entropy = [], []
+        logp, entropy, taus = [], [], []
         for start, stop in chunks.spans():
-            lp = chunks.log_softmax(hidden[start:stop])
+            lp, tau = chunks.kept_log_softmax(hidden[start:stop], tok[start:stop], None)
             logp.append(lp.gather(1, tok[start:stop]).squeeze(1))
             entropy.append(chunks.entropy(chunks.floor_(lp)))
+            if tau is not None:  # the kept sets' thresholds, for the backward
+                taus.append(tau)
         empty = hidden.new_zeros(0, dtype=chunks.cdt)
         lp_all, ent_all = torch.cat(logp) if logp else empty, torch.cat(entropy) if logp else empty
-        ctx.save_for_backward(hidden, weight, bias, tokens, ent_all)  # type: ignore[arg-type]
-        ctx.temperature, ctx.chunk = temperature, chunk  # type: ignore[attr-defined]
+        tau_all = torch.cat(taus) if taus else empty
+        ctx.save_for_backward(hidden, weight, bias, tokens, ent_all, tau_all)  # type: ignore[arg-type]
+        ctx.temperature, ctx.chunk, ctx.trunc = temperature, chunk, trunc  # type: ignore[attr-defined]
         ctx.set_materialize_grads(False)
         return lp_all, ent_all
 
@@ -47,34 +52,32 @@ class FusedLinearLogpEntropy(torch.autograd.Function):
     def backward(
         ctx: Any, grad_logp: Tensor | None, grad_entropy: Tensor | None
     ) -> tuple[Tensor | None, ...]:
-        hidden, weight, bias, tokens, entropy = ctx.saved_tensors
+        hidden, weight, bias, tokens, entropy, tau = ctx.saved_tensors
+        tau = None if ctx.trunc is None else tau
         need = tuple(ctx.needs_input_grad[:3])
         if not any(need) or (grad_logp is None and grad_entropy is None):
-            return (None,) * 6
+            return (None,) * 7
         cdt = entropy.dtype
         if torch.is_grad_enabled():  # create_graph=True: a gradient autograd can differentiate
-            g = grad_with_graph(
-                linear(hidden, weight, bias), tokens, grad_logp, grad_entropy, ctx.temperature, cdt
-            )
+            z = linear(hidden, weight, bias)
+            g = grad_with_graph(z, tokens, grad_logp, grad_entropy, ctx.temperature, cdt, tau)
             dtype = hidden.dtype
             return (
                 (g.to(dtype) @ weight) if need[0] else None,
                 (g.T @ hidden.to(cdt)).to(dtype) if need[1] else None,
                 g.sum(dim=0).to(dtype) if need[2] else None,
-                None,
-                None,
-                None,
+                *(None,) * 4,
             )
         with torch.no_grad():
-            chunks = chunks_for(hidden, weight, bias, ctx.chunk, ctx.temperature)
+            chunks = chunks_for(hidden, weight, bias, ctx.chunk, ctx.temperature, ctx.trunc)
             grads = grads_for(chunks, hidden, need)
             a = None if grad_logp is None else grad_logp.to(cdt)
             b = None if grad_entropy is None else grad_entropy.to(cdt)
             tok = tokens.unsqueeze(1)
             for s, e in chunks.spans():
-                _backward_chunk(chunks, grads, hidden, tok, a, b, entropy, s, e)
+                _backward_chunk(chunks, grads, hidden, tok, a, b, entropy, tau, s, e)
             chunks.release()
-            return (*grads.result(), None, None, None)
+            return (*grads.result(), *(None,) * 4)
 
 
 def _backward_chunk(
@@ -85,13 +88,14 @@ def _backward_chunk(
     a: Tensor | None,
     b: Tensor | None,
     entropy: Tensor,
+    tau: Tensor | None,
     s: int,
     e: int,
 ) -> None:
     """One chunk of the backward: its logits again, ``G``, the three gradients' shares (a
     function of its own, so that no view of the chunk buffer outlives it)."""
     h = hidden[s:e]
-    lp = chunks.log_softmax(h)
+    lp, _ = chunks.kept_log_softmax(h, tok[s:e], None if tau is None else tau[s:e])
     if b is not None:
         lp = chunks.floor_(lp)
     g = chunks.grad_(

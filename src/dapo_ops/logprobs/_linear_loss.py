@@ -32,6 +32,7 @@ from dapo_ops.engine._engine import LossSpec, generic_terms, reference_terms
 from dapo_ops.engine.aggregation import loss_scale, scaled_sum
 from dapo_ops.logprobs._fused_linear import Chunks, Grads, chunks_for, grads_for, linear
 from dapo_ops.logprobs._softmax_blocks import LOGP_FLOOR
+from dapo_ops.logprobs._truncation import Truncation, thresholds, truncate
 from dapo_ops.objectives import Objective
 from dapo_ops.objectives.base import is_token_local
 
@@ -44,6 +45,7 @@ class LinearSpec:
     temperature: float
     chunk: int  # tokens per chunk
     entropy: bool  # entropies computed (for the bonus or the diagnostics)
+    trunc: Truncation | None = None  # the sampler's truncation (top-k, top-p, min-p)
 
 
 class LinearInputs(NamedTuple):
@@ -126,14 +128,15 @@ class _Pass:
     logp: list[Tensor]  # the chunks' log-probs
     entropy: list[Tensor]  # and entropies
 
-    def stats(self, h: Tensor, tok: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        """(log-softmax buffer, chosen log-probs, entropies or None) of one chunk."""
-        lp = self.chunks.log_softmax(h)
+    def stats(self, h: Tensor, tok: Tensor) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+        """(log-softmax buffer, chosen log-probs, entropies or None, the truncation's
+        thresholds or None) of one chunk."""
+        lp, tau = self.chunks.kept_log_softmax(h, tok, None)
         logp = lp.gather(1, tok).squeeze(1)
         if not self.spec.entropy:
-            return lp, logp, None
+            return lp, logp, None, tau
         lp = self.chunks.floor_(lp)
-        return lp, logp, self.chunks.entropy(lp)
+        return lp, logp, self.chunks.entropy(lp), tau
 
     def group(
         self, h: Tensor, t: LinearInputs, scale: Tensor, shape: tuple[int, int], offset: int
@@ -147,9 +150,9 @@ class _Pass:
         one = len(spans) == 1
         h = torch.where(t.valid.reshape(-1, 1), h, 0.0)  # masked rows reach nothing
         if one:
-            lp, logp, ent = self.stats(h, tok)
+            lp, logp, ent, tau = self.stats(h, tok)
         else:
-            logp, ent = _cat([self.stats(h[s:e], tok[s:e]) for s, e in spans])
+            logp, ent, tau = _cat([self.stats(h[s:e], tok[s:e]) for s, e in spans])
         dtype = self.total.dtype
         loss, a = _objective_terms(
             spec.loss, logp.view(shape).to(dtype), t, scale, grads is not None
@@ -169,8 +172,8 @@ class _Pass:
             return
         a = None if a is None else a.reshape(-1).to(chunks.cdt)
         for s, e in spans:
-            if not one:  # the logits again, now that the objective is known
-                lp = chunks.log_softmax(h[s:e])
+            if not one:  # the logits again (the same kept sets), now the objective is known
+                lp, _ = chunks.kept_log_softmax(h[s:e], tok[s:e], _part(tau, s, e))
                 lp = lp if b is None else chunks.floor_(lp)
             g = chunks.grad_(
                 lp,
@@ -182,10 +185,13 @@ class _Pass:
             grads.add(g, h[s:e], offset + s, offset + e)
 
 
-def _cat(parts: list[tuple[Tensor, Tensor, Tensor | None]]) -> tuple[Tensor, Tensor | None]:
+def _cat(
+    parts: list[tuple[Tensor, Tensor, Tensor | None, Tensor | None]],
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
     logp = torch.cat([p[1] for p in parts])
     ents = [p[2] for p in parts if p[2] is not None]
-    return logp, torch.cat(ents) if ents else None
+    taus = [p[3] for p in parts if p[3] is not None]
+    return logp, torch.cat(ents) if ents else None, torch.cat(taus) if taus else None
 
 
 def forward_pass(
@@ -207,7 +213,7 @@ def forward_pass(
     # token chunks; or whole sequences, as many as fit, one sequence in chunks if it does not
     rows = 1 if by_token else max(1, spec.chunk // max(seq, 1))
     chunk = spec.chunk if by_token or seq > spec.chunk else rows * seq
-    chunks = chunks_for(flat, weight, bias, chunk, spec.temperature)
+    chunks = chunks_for(flat, weight, bias, chunk, spec.temperature, spec.trunc)
     grads = grads_for(chunks, flat, need) if any(need) else None
     run = _Pass(spec, chunks, grads, flat.new_zeros((), dtype=dtype), [], [])
     lay, lay_scale = _layout(t, scale, by_token)
@@ -243,8 +249,12 @@ def reference_loss(
     dtype = compute_dtype(hidden, t.old_logp, t.adv)
     cdt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     flat = torch.where(t.valid.reshape(-1, 1), hidden.reshape(batch * seq, -1), 0.0)
-    lp_all = torch.log_softmax(linear(flat, weight, bias).to(cdt) / spec.temperature, dim=-1)
-    logp = lp_all.gather(1, t.tokens.reshape(-1, 1)).view(batch, seq).to(dtype)
+    z = linear(flat, weight, bias).to(cdt) / spec.temperature
+    tok = t.tokens.reshape(-1, 1)
+    if spec.trunc is not None:  # the kept set is piecewise constant: found without a graph
+        z = truncate(z, thresholds(z.detach(), spec.trunc), tok, False)
+    lp_all = torch.log_softmax(z, dim=-1)
+    logp = lp_all.gather(1, tok).view(batch, seq).to(dtype)
     den = "local" if t.normalizer is None else t.normalizer
     scale = loss_scale(t.valid, mode=spec.loss.mode, normalizer=den, max_len=spec.loss.max_len, dtype=dtype)  # type: ignore[arg-type]  # fmt: skip
     per_token = reference_terms(

@@ -34,6 +34,7 @@ from dapo_ops.logprobs._softmax_blocks import (
     grad_with_graph,
     row_coefs,
 )
+from dapo_ops.logprobs._truncation import Truncation, truncation
 
 
 class LogitsLogpEntropy(torch.autograd.Function):
@@ -48,6 +49,7 @@ class LogitsLogpEntropy(torch.autograd.Function):
         chunk: int,
         want_entropy: bool,
         inplace: bool,
+        trunc: Truncation | None,
     ) -> tuple[Tensor, Tensor]:
         cdt = compute_dtype(logits.dtype)
         rows = logits.numel() // logits.shape[-1]
@@ -55,16 +57,22 @@ class LogitsLogpEntropy(torch.autograd.Function):
         lse = logits.new_empty(rows if want_entropy else 0, dtype=cdt)
         logp = logits.new_empty(rows if tokens is not None else 0, dtype=cdt)
         entropy = logits.new_empty(rows if want_entropy else 0, dtype=cdt)
+        tau = logits.new_empty(rows if trunc is not None else 0, dtype=cdt)
         for start, stop, block in blocks(logits, chunk):
             tok = None if tokens is None else tokens[start:stop]
-            b_lse, b_logp, b_ent = block_forward(block, False, tok, temperature, cdt, want_entropy)
+            b_lse, b_logp, b_ent, b_tau = block_forward(
+                block, False, tok, temperature, cdt, want_entropy, trunc
+            )
+            if b_tau is not None:
+                tau[start:stop] = b_tau
             if b_lse is not None:
                 lse[start:stop] = b_lse
             if b_logp is not None:
                 logp[start:stop] = b_logp
             if b_ent is not None:
                 entropy[start:stop] = b_ent
-        ctx.save_for_backward(logits, tokens, lse, entropy)  # type: ignore[arg-type]
+        ctx.save_for_backward(logits, tokens, lse, entropy, tau)  # type: ignore[arg-type]
+        ctx.truncated = trunc is not None  # type: ignore[attr-defined]
         ctx.temperature = temperature  # type: ignore[attr-defined]
         ctx.chunk = chunk  # type: ignore[attr-defined]
         ctx.inplace = inplace  # type: ignore[attr-defined]
@@ -80,15 +88,16 @@ class LogitsLogpEntropy(torch.autograd.Function):
     def backward(
         ctx: Any, grad_logp: Tensor | None, grad_entropy: Tensor | None
     ) -> tuple[Tensor | None, ...]:
-        logits, tokens, lse, entropy = ctx.saved_tensors
+        logits, tokens, lse, entropy, tau = ctx.saved_tensors
+        tau = tau if ctx.truncated else None
         if not ctx.needs_input_grad[0]:
-            return (None,) * 6
+            return (None,) * 7
         if tokens is None:
             grad_logp = None
         if not ctx.want_entropy:
             grad_entropy = None
         if grad_logp is None and grad_entropy is None:
-            return (None,) * 6
+            return (None,) * 7
         if torch.is_grad_enabled():  # create_graph=True: a gradient autograd can differentiate
             vocab = logits.shape[-1]
             grad = grad_with_graph(
@@ -98,11 +107,12 @@ class LogitsLogpEntropy(torch.autograd.Function):
                 grad_entropy,
                 ctx.temperature,
                 lse.dtype,
+                tau,
             )
-            return grad.to(logits.dtype).reshape(logits.shape), None, None, None, None, None
+            return grad.to(logits.dtype).reshape(logits.shape), *(None,) * 6
         with torch.no_grad():
             return LogitsLogpEntropy._chunked_backward(
-                ctx, logits, tokens, lse, entropy, grad_logp, grad_entropy
+                ctx, logits, tokens, lse, entropy, tau, grad_logp, grad_entropy
             )
 
     @staticmethod
@@ -112,6 +122,7 @@ class LogitsLogpEntropy(torch.autograd.Function):
         tokens: Tensor | None,
         lse: Tensor,
         entropy: Tensor,
+        tau: Tensor | None,
         grad_logp: Tensor | None,
         grad_entropy: Tensor | None,
     ) -> tuple[Tensor | None, ...]:
@@ -134,8 +145,9 @@ class LogitsLogpEntropy(torch.autograd.Function):
                 coef_rows(coefs, start, stop),
                 ctx.temperature,
                 lse.dtype,
+                None if tau is None else tau[start:stop],
             )
-        return grad, None, None, None, None, None
+        return grad, *(None,) * 6
 
 
 def from_logits(
@@ -145,9 +157,13 @@ def from_logits(
     chunk_size: int | None,
     want_entropy: bool,
     inplace_backward: bool,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     logits = check_logits(logits)
     check_options(temperature, chunk_size)
+    trunc = truncation(top_k, top_p, min_p)
     if not isinstance(inplace_backward, bool):
         raise InputError(f"inplace_backward must be a bool, got {inplace_backward!r}")
     if inplace_backward and may_overlap(logits):
@@ -170,7 +186,7 @@ def from_logits(
         flat_tokens = tokens.reshape(-1).to(torch.int64)
     chunk = auto_chunk(chunk_size, vocab, logits.device, DEFAULT_CHUNK_ELEMENTS)
     logp, entropy = LogitsLogpEntropy.apply(  # type: ignore[no-untyped-call]
-        logits, flat_tokens, float(temperature), chunk, want_entropy, inplace_backward
+        logits, flat_tokens, float(temperature), chunk, want_entropy, inplace_backward, trunc
     )
     return logp.view(rows_shape) if tokens is not None else logp, (
         entropy.view(rows_shape) if want_entropy else entropy

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from dapo_ops._core._validate import is_compiling
 from dapo_ops.logprobs._logprob_checks import auto_chunk
+from dapo_ops.logprobs._truncation import Truncation, truncate, truncated
 
 #: Default block sizes, in logits *elements* per block (``chunk_size=None`` means
 #: ``max(1, elements // vocab)`` rows). On CPU, 2**22 elements (16 MiB of float32; 27 rows
@@ -89,13 +90,21 @@ def block_forward(
     temperature: float,
     cdt: torch.dtype,
     want_entropy: bool,
-) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """``(lse, logp, entropy)`` of one [rows, vocab] block; lse/entropy only with entropy."""
+    trunc: Truncation | None = None,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
+    """``(lse, logp, entropy, tau)`` of one [rows, vocab] block; lse/entropy only with
+    entropy, ``tau`` (the kept set's per-row threshold) only with ``trunc``."""
     zf, owned = scaled(z, owned, temperature, cdt)
     del z  # a low-precision block is freed once upcast
+    tau = None
+    if trunc is not None:  # the logits outside the kept set (and the chosen token) -> -inf
+        col = None if tok is None else tok.unsqueeze(1)
+        zf, tau = truncated(zf, trunc, col, None, owned)
+        owned = True
     if not want_entropy:  # log-probs only: one fused log_softmax pass, no lse needed later
         assert tok is not None
-        return None, torch.log_softmax(zf, dim=1).gather(1, tok.unsqueeze(1)).squeeze(1), None
+        logp = torch.log_softmax(zf, dim=1).gather(1, tok.unsqueeze(1)).squeeze(1)
+        return None, logp, None, tau
     picked = zf.gather(1, tok.unsqueeze(1)).squeeze(1) if tok is not None else None
     top = zf.amax(dim=1, keepdim=True)
     shifted = zf.sub_(top) if owned else zf - top  # z - max <= 0
@@ -106,7 +115,7 @@ def block_forward(
     log_sum = torch.log(sum_e)
     lse = top.squeeze(1) + log_sum
     entropy = log_sum - dot / sum_e  # H = lse - sum p z, shifted by max
-    return lse, (None if picked is None else picked - lse), entropy
+    return lse, (None if picked is None else picked - lse), entropy, tau
 
 
 class RowCoefs(NamedTuple):
@@ -164,6 +173,7 @@ def _piece_grad(
     lse: Tensor | None,
     coefs: RowCoefs,
     temperature: float,
+    tau: Tensor | None = None,
 ) -> None:
     r"""Gradient w.r.t. the raw logits ``src`` of a few rows, written into ``dst``.
 
@@ -177,9 +187,15 @@ def _piece_grad(
       :math:`p\,(\beta \log p + c)` in ``dst``;
 
     then :math:`a` is added at the chosen token. No temporary but ``p``, of ``dst``'s size.
+    With ``tau`` (the saved thresholds, ``[rows]``), :math:`z` is first truncated to the
+    same kept set as in forward (``-inf`` elsewhere: :math:`p = 0` there).
     """
     if temperature != 1.0:
         src = _div_into(dst, src, temperature)
+    if tau is not None:
+        if src is not dst:
+            src = dst.copy_(src)
+        truncate(dst, tau, tok, True)
     if coefs.neg_b is None:  # softmax in place: no log-sum-exp needed
         _sub_into(dst, src, src.amax(dim=1, keepdim=True)).exp_()
         dst.mul_(coefs.c / dst.sum(dim=1, keepdim=True))
@@ -208,6 +224,7 @@ def block_grad(
     coefs: RowCoefs,
     temperature: float,
     cdt: torch.dtype,
+    tau: Tensor | None = None,
 ) -> None:
     """Write the gradient w.r.t. the raw logits ``z`` of one block into ``out``.
 
@@ -216,23 +233,25 @@ def block_grad(
     in it directly and the only temporary is one piece's ``p``. Otherwise (bfloat16/float16
     gradients, or under ``torch.compile``, which gets no ``out=`` into views) each piece
     is upcast into a float32 temporary, computed there and copied into ``out``.
-    ``tok``, ``lse`` and ``coefs`` are the block's rows, as ``[rows, 1]`` columns.
+    ``tok``, ``lse`` and ``coefs`` are the block's rows, as ``[rows, 1]`` columns;
+    ``tau`` the block's truncation thresholds ``[rows]`` (None: no truncation).
     """
     rows = z.shape[0]
     direct = out.dtype == cdt and (out is z or not is_compiling())
     step = _piece_rows(z)
     for s in range(0, rows, step):
         if step >= rows:  # one piece: the tensors themselves, no slicing (the compiled form)
-            zp, op, tp, lp, cp = z, out, tok, lse, coefs
+            zp, op, tp, lp, cp, kp = z, out, tok, lse, coefs, tau
         else:
             zp, op, cp = z[s : s + step], out[s : s + step], coef_rows(coefs, s, s + step)
             tp = None if tok is None else tok[s : s + step]
             lp = None if lse is None else lse[s : s + step]
+            kp = None if tau is None else tau[s : s + step]
         if direct:
-            _piece_grad(op, zp, tp, lp, cp, temperature)
+            _piece_grad(op, zp, tp, lp, cp, temperature, kp)
         else:
             buf = zp.to(cdt, copy=True)
-            _piece_grad(buf, buf, tp, lp, cp, temperature)
+            _piece_grad(buf, buf, tp, lp, cp, temperature, kp)
             op.copy_(buf)
             del buf  # before the next piece's is allocated
 
@@ -247,6 +266,7 @@ def grad_with_graph(
     grad_entropy: Tensor | None,
     temperature: float,
     cdt: torch.dtype,
+    tau: Tensor | None = None,
 ) -> Tensor:
     r"""``dL/dz`` of ``[rows, vocab]`` logits ``z``, built from differentiable ops.
 
@@ -254,9 +274,13 @@ def grad_with_graph(
     :math:`\frac1T\big(g^{\log p}(\mathrm{onehot}(y) - p) - g^{H} p (\log p + H)\big)`,
     on the whole ``[rows, vocab]`` at once: used only under ``create_graph=True``, where
     autograd must record how the gradient depends on ``z`` (and on the upstream
-    gradients) for a second differentiation. Returns the compute dtype ``cdt``.
+    gradients) for a second differentiation. Returns the compute dtype ``cdt``. With
+    ``tau`` (the saved thresholds), :math:`p` is the truncated softmax of the forward.
     """
-    logp_all = torch.log_softmax(z.to(cdt) / temperature, dim=-1)
+    zs = z.to(cdt) / temperature
+    if tau is not None:
+        zs = truncate(zs, tau, None if tok is None else tok.unsqueeze(1), False)
+    logp_all = torch.log_softmax(zs, dim=-1)
     prob = logp_all.exp()
     grad = torch.zeros_like(prob)
     if grad_logp is not None:

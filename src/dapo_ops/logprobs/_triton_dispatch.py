@@ -38,10 +38,22 @@ BACKENDS = ("auto", "triton", "chunked")
 AUTO: dict[str, str] = {}
 
 
-def use_triton(backend: object, device: torch.device, chunk_size: int | None) -> bool:
-    """Whether the call runs the Triton kernels; refuses what cannot run."""
+def use_triton(
+    backend: object, device: torch.device, chunk_size: int | None, truncated: bool = False
+) -> bool:
+    """Whether the call runs the Triton kernels; refuses what cannot run. The kernels do
+    not truncate (top_k/top_p/min_p): ``"auto"`` then takes the chunked path, and an
+    explicit ``"triton"`` is refused."""
     check_option("backend", backend, BACKENDS)  # type: ignore[arg-type]
-    chosen = AUTO.get(device.type, "chunked") if backend == "auto" else backend
+    if backend == "triton" and truncated:
+        raise InputError(
+            "backend='triton' has no sampler truncation (top_k, top_p, min_p): use "
+            "backend='chunked' (or 'auto') for a truncated distribution"
+        )
+    if backend == "auto":
+        chosen = "chunked" if truncated else AUTO.get(device.type, "chunked")
+    else:
+        chosen = str(backend)
     if chosen != "triton":
         return False
     from dapo_ops.logprobs._triton_linear import interpreting

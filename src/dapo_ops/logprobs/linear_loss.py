@@ -46,6 +46,7 @@ from dapo_ops.logprobs._logprob_checks import (
     check_tokens,
 )
 from dapo_ops.logprobs._triton_dispatch import Backend, triton_policy_loss, use_triton
+from dapo_ops.logprobs._truncation import truncation
 from dapo_ops.objectives import ClipHigher, Objective
 
 __all__ = [
@@ -67,6 +68,9 @@ class LinearOptions(LossOptions, total=False):
     entropy_coef: float | Tensor
     chunk_size: int | None
     backend: Backend
+    top_k: int | None
+    top_p: float | None
+    min_p: float | None
 
 
 class LinearDiagnostics(NamedTuple):
@@ -105,6 +109,7 @@ def _prepare(
     check_loss_options(objective, mode=mode, max_len=max_len, kl=kl, ref_logp=ref_logp)
     temperature, chunk_size = o.get("temperature", 1.0), o.get("chunk_size")
     check_options(temperature, chunk_size)
+    trunc = truncation(o.get("top_k"), o.get("top_p"), o.get("min_p"))
     check_float("old_logp", old_logp)
     if old_logp.shape != h.shape[:2]:
         raise InputError(
@@ -130,7 +135,7 @@ def _prepare(
     chunk = auto_chunk(chunk_size, vocab, h.device, DEFAULT_FUSED_CHUNK_ELEMENTS)
     wants_entropy = entropy or isinstance(coef, Tensor) or coef != 0.0
     spec = LinearSpec(
-        LossSpec(objective, kl, mode, max_len), float(temperature), chunk, wants_entropy
+        LossSpec(objective, kl, mode, max_len), float(temperature), chunk, wants_entropy, trunc
     )
     ids = torch.where(valid, tok, 0).to(torch.int64)
     inputs = LinearInputs(ids, old_logp, adv, valid, ref_logp, is_weights, den, coef)
@@ -140,7 +145,7 @@ def _prepare(
 def _run(
     spec: LinearSpec, h: Tensor, w: Tensor, b: Tensor | None, t: LinearInputs, o: LinearOptions
 ) -> tuple[Tensor, Tensor, Tensor]:
-    if use_triton(o.get("backend", "auto"), h.device, o.get("chunk_size")):
+    if use_triton(o.get("backend", "auto"), h.device, o.get("chunk_size"), spec.trunc is not None):
         return triton_policy_loss(spec, h, w, b, t)
     need = tuple(torch.is_grad_enabled() and x is not None and x.requires_grad for x in (h, w, b))
     if any(need):
@@ -169,6 +174,9 @@ def linear_policy_loss(
     entropy_coef: float | Float[Tensor, ""] = 0.0,
     chunk_size: int | None = None,
     backend: Backend = "auto",
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
 ) -> Float[Tensor, ""]:
     r"""The policy loss straight from the last hidden states: 3 matmuls, no logits tensor.
 
@@ -232,6 +240,11 @@ def linear_policy_loss(
             ``TRITON_INTERPRET=1``; eager only, no ``chunk_size``) or ``"auto"``: the
             chunked path for now, the kernels on CUDA once measured there
             (``docs/linear_loss.md``).
+        top_k, top_p, min_p: the rollout sampler's truncation (vLLM's rules; None: off,
+            bit for bit today's loss): :math:`\log\pi` and :math:`H` of the distribution
+            renormalised over the kept set and the chosen token, as in
+            :func:`token_logprobs`; exact on each chunk's full rows, gradients exact for
+            the kept set.
 
     Double backward (``create_graph=True``) differentiates the definition (the whole
     logits, the naive path's memory). Under ``torch.compile(fullgraph=True)`` the chunks
@@ -256,6 +269,7 @@ def linear_policy_loss(
         "normalizer": normalizer, "max_len": max_len, "ref_logp": ref_logp, "kl": kl,
         "is_weights": is_weights, "entropy_coef": entropy_coef, "chunk_size": chunk_size,
         "backend": backend,
+        "top_k": top_k, "top_p": top_p, "min_p": min_p,
     }  # fmt: skip
     spec, h, w, b, t = _prepare(hidden, weight, tokens, old_logp, advantages, mask, options, False)
     return _run(spec, h, w, b, t, options)[0]

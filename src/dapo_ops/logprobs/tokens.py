@@ -41,6 +41,7 @@ from dapo_ops.logprobs._logprob_checks import (
     check_tokens,
 )
 from dapo_ops.logprobs._triton_dispatch import Backend, triton_logprobs_entropy, use_triton
+from dapo_ops.logprobs._truncation import truncation
 
 __all__ = [
     "LogpEntropy",
@@ -65,6 +66,9 @@ def token_logprobs(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     inplace_backward: bool = False,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
 ) -> Float[Tensor, " tokens"] | Float[Tensor, "batch seq"]:
     r"""Log-probability of each chosen token, computed block by block over rows.
 
@@ -101,6 +105,18 @@ def token_logprobs(
             both log-probs and entropy this way use :func:`token_logprobs_and_entropy`.
             Logits whose elements share memory (an ``expand()``-ed view) are refused at
             call time (``InputError``): they cannot hold their own gradient.
+        top_k, top_p, min_p: the rollout sampler's truncation, with vLLM's rules and
+            off values (``None``, the default, or ``top_k`` 0 / -1, ``top_p`` 1,
+            ``min_p`` 0: nothing changes, bit for bit). After the temperature, min-p keeps
+            :math:`p_v \ge` ``min_p`` :math:`\max p`, top-k the ``top_k`` largest logits
+            and every token tied with the last, top-p the smallest prefix of what is left
+            whose mass reaches ``top_p`` (ties with its last token included); the
+            log-prob is renormalised over that kept set :math:`K`:
+            :math:`z_y/T - \log\sum_{v \in K \cup \{y\}} e^{z_v/T}`. The chosen token
+            always counts (a token outside :math:`K` gets its log-prob over
+            :math:`K \cup \{y\}`: finite, never ``-inf``). Gradients are exact for the
+            kept set (piecewise constant in the logits). Costs a ``topk`` per row, a sort
+            per row for ``top_p`` without ``top_k``; ``docs/logprobs.md``.
 
     Double backward: under ``create_graph=True`` the gradient is formed with ordinary
     differentiable ops over all rows at once (the naive path's memory), so it can be
@@ -117,7 +133,9 @@ def token_logprobs(
         >>> token_logprobs(logits, torch.tensor([0, 2]))
         tensor([-0.2395, -1.0986])
     """
-    logp, _ = from_logits(logits, tokens, temperature, chunk_size, False, inplace_backward)
+    logp, _ = from_logits(
+        logits, tokens, temperature, chunk_size, False, inplace_backward, top_k, top_p, min_p
+    )
     return logp
 
 
@@ -126,6 +144,9 @@ def token_entropy(
     *,
     temperature: float = 1.0,
     chunk_size: int | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
 ) -> Float[Tensor, " tokens"] | Float[Tensor, "batch seq"]:
     r"""Entropy (nats) of each row's softmax distribution, computed block by block over rows.
 
@@ -141,14 +162,17 @@ def token_entropy(
 
     Shapes: logits ``[tokens, vocab]`` or ``[batch, seq, vocab]``. Returns ``[tokens]`` or
     ``[batch, seq]``, float32 (float64 for float64 logits); ``0 <= H <= log(vocab)``.
-    ``temperature`` and ``chunk_size`` as in :func:`token_logprobs`. When the loss also
+    ``temperature``, ``chunk_size`` and ``top_k``, ``top_p``, ``min_p`` (the entropy of
+    the distribution renormalised over the kept set) as in :func:`token_logprobs`. When the loss also
     needs log-probs, :func:`token_logprobs_and_entropy` gets both in one pass.
 
     Example:
         >>> token_entropy(torch.zeros(2, 4))  # uniform over 4: log 4
         tensor([1.3863, 1.3863])
     """
-    _, entropy = from_logits(logits, None, temperature, chunk_size, True, False)
+    _, entropy = from_logits(
+        logits, None, temperature, chunk_size, True, False, top_k, top_p, min_p
+    )
     return entropy
 
 
@@ -159,6 +183,9 @@ def token_logprobs_and_entropy(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     inplace_backward: bool = False,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
 ) -> LogpEntropy:
     r"""Chosen-token log-probs and entropies in one pass over the logits.
 
@@ -176,7 +203,8 @@ def token_logprobs_and_entropy(
     two separate calls on the same logits would each want to own the buffer.
 
     Shapes, dtypes, options and the id range check (one host sync, skipped under
-    ``torch.compile``) as in :func:`token_logprobs`. Returns
+    ``torch.compile``) as in :func:`token_logprobs`; with ``top_k``, ``top_p`` or
+    ``min_p`` both come from the distribution renormalised over :math:`K \cup \{y\}`. Returns
     ``LogpEntropy(logp, entropy)``, a named tuple of two ``[tokens]`` or ``[batch, seq]``
     float32 tensors.
 
@@ -185,7 +213,9 @@ def token_logprobs_and_entropy(
         >>> token_logprobs_and_entropy(logits, torch.tensor([0]))
         LogpEntropy(logp=tensor([-0.2395]), entropy=tensor([0.6656]))
     """
-    logp, entropy = from_logits(logits, tokens, temperature, chunk_size, True, inplace_backward)
+    logp, entropy = from_logits(
+        logits, tokens, temperature, chunk_size, True, inplace_backward, top_k, top_p, min_p
+    )
     return LogpEntropy(logp, entropy)
 
 
@@ -198,6 +228,9 @@ def fused_logprobs_entropy(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     backend: Backend = "auto",
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
 ) -> LogpEntropy:
     r"""Log-probs and entropies straight from hidden states: the logits never exist whole.
 
@@ -237,6 +270,9 @@ def fused_logprobs_entropy(
         backend: ``"chunked"``, ``"triton"`` or ``"auto"``, as in
             :func:`dapo_ops.linear_policy_loss` (the kernels keep each tile of logits on
             chip and store the log-sum-exp per row for backward).
+        top_k, top_p, min_p: the sampler's truncation, as in :func:`token_logprobs`
+            (log-probs and entropies over :math:`K \cup \{y\}`), exact on each chunk's
+            full rows; the per-row thresholds are saved, so backward keeps the same set.
 
     Double backward (``create_graph=True``) is supported as in :func:`token_logprobs`:
     the gradient is then formed from the whole ``hidden @ weight.T`` with differentiable
@@ -254,12 +290,13 @@ def fused_logprobs_entropy(
     hidden, weight, bias = check_projection(hidden, weight, bias, "[tokens, d] or [batch, seq, d]")
     vocab = weight.shape[0]
     check_options(temperature, chunk_size)
+    trunc = truncation(top_k, top_p, min_p)
     rows_shape = hidden.shape[:-1]
     tokens = check_tokens(tokens, rows_shape, f"hidden {shape_str(hidden)}", vocab)
     if tokens.device != hidden.device:
         raise InputError(f"tokens is on {tokens.device} but hidden is on {hidden.device}")
     flat, ids = hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1).to(torch.int64)
-    if use_triton(backend, hidden.device, chunk_size):
+    if use_triton(backend, hidden.device, chunk_size, trunc is not None):
         logp, entropy = triton_logprobs_entropy(flat, weight, bias, ids, float(temperature))
         return LogpEntropy(logp.view(rows_shape), entropy.view(rows_shape))
     chunk = auto_chunk(chunk_size, vocab, hidden.device, DEFAULT_FUSED_CHUNK_ELEMENTS)
@@ -270,5 +307,6 @@ def fused_logprobs_entropy(
         ids,
         float(temperature),
         chunk,
+        trunc,
     )
     return LogpEntropy(logp.view(rows_shape), entropy.view(rows_shape))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import Literal
 
@@ -28,8 +28,18 @@ from dapo_ops.objectives import CISPO as CISPOObjective
 from dapo_ops.objectives import GSPO as GSPOObjective
 from dapo_ops.objectives import ClipHigher, Objective
 from dapo_ops.objectives.base import check_objective_value
+from dapo_ops.presets._peers import trl_options, verl_options
 
-__all__ = ["CISPO", "DAPO", "DR_GRPO", "GRPO", "GSPO", "PRESETS", "ObjectivePreset"]
+__all__ = [
+    "CISPO",
+    "DAPO",
+    "DR_GRPO",
+    "GRPO",
+    "GSPO",
+    "PRESETS",
+    "ObjectivePreset",
+    "UnknownPresetError",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,9 +50,10 @@ class ObjectivePreset:
     ``mode``: the aggregation; ``advantage_*``: :func:`group_advantages`' options;
     ``kl``: a :class:`KLPenalty` or None. ``overlong_penalty``, ``overlong_filter`` and
     ``dynamic_sampling`` tell the host loop which of :func:`overlong_reward`,
-    :func:`overlong_filter` and :func:`dynamic_sample_mask` to run. ``verl`` and ``trl``
-    give the matching option names of those trainers (read-only; each preset holds its
-    own copy). Every field is validated at construction and by :meth:`replace`.
+    :func:`overlong_filter` and :func:`dynamic_sample_mask` to run. The properties
+    :attr:`verl` and :attr:`trl` give the matching options of those trainers, derived from
+    the current fields (so from a :meth:`replace` copy's own values). Every field is
+    validated at construction and by :meth:`replace`.
     """
 
     name: str
@@ -56,8 +67,6 @@ class ObjectivePreset:
     overlong_penalty: bool = False
     overlong_filter: bool = False
     dynamic_sampling: bool = False
-    verl: Mapping[str, object] = dataclasses.field(default_factory=dict, compare=False, hash=False)
-    trl: Mapping[str, object] = dataclasses.field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         check_objective_value(self.objective, "ObjectivePreset.objective")
@@ -78,8 +87,22 @@ class ObjectivePreset:
                 raise InputError(
                     f"ObjectivePreset.{flag} must be a bool, got {getattr(self, flag)!r}"
                 )
-        for peer in ("verl", "trl"):  # read-only copies: never shared with a derived preset
-            object.__setattr__(self, peer, MappingProxyType(dict(getattr(self, peer))))
+
+    @property
+    def verl(self) -> Mapping[str, object]:
+        """verl 0.9.1's options for this preset (read-only), from its current fields.
+
+        Raises :class:`InputError` naming the field verl cannot express (e.g.
+        ``overlong_filter=True``, ``advantage_scale="batch"``, an objective other than
+        ClipHigher, GSPO, CISPO).
+        """
+        return MappingProxyType(verl_options(self))
+
+    @property
+    def trl(self) -> Mapping[str, object]:
+        """TRL 1.16 ``GRPOConfig`` options for this preset (read-only), from its current
+        fields; :class:`InputError` for a field TRL cannot express."""
+        return MappingProxyType(trl_options(self))
 
     def replace(self, **changes: object) -> ObjectivePreset:
         """A validated copy with some fields changed, e.g.
@@ -139,15 +162,6 @@ DAPO = ObjectivePreset(
     advantage_scale="group",
     overlong_penalty=True,
     dynamic_sampling=True,
-    verl={
-        "clip_ratio_low": 0.2,
-        "clip_ratio_high": 0.28,
-        "loss_agg_mode": "token-mean",
-        "use_kl_loss": False,
-        "algorithm.filter_groups.enable": True,
-        "reward_model.overlong_buffer.enable": True,
-    },
-    trl={"epsilon": 0.2, "epsilon_high": 0.28, "loss_type": "dapo", "beta": 0.0},
 )
 
 GRPO = ObjectivePreset(
@@ -157,14 +171,6 @@ GRPO = ObjectivePreset(
     mode="seq_mean_token_mean",
     advantage_scale="group",
     kl=KLPenalty(beta=0.04, estimator="k3"),
-    verl={
-        "clip_ratio": 0.2,
-        "loss_agg_mode": "seq-mean-token-mean",
-        "use_kl_loss": True,
-        "kl_loss_coef": 0.04,
-        "kl_loss_type": "low_var_kl",
-    },
-    trl={"epsilon": 0.2, "loss_type": "grpo", "beta": 0.04},
 )
 
 DR_GRPO = ObjectivePreset(
@@ -173,12 +179,6 @@ DR_GRPO = ObjectivePreset(
     objective=ClipHigher(eps_low=0.2, eps_high=0.2),
     mode="seq_mean_token_sum_norm",
     advantage_scale="none",
-    verl={
-        "loss_agg_mode": "seq-mean-token-sum-norm",
-        "algorithm.norm_adv_by_std_in_grpo": False,
-        "use_kl_loss": False,
-    },
-    trl={"loss_type": "dr_grpo", "scale_rewards": "none", "beta": 0.0},
 )
 
 GSPO = ObjectivePreset(
@@ -187,13 +187,6 @@ GSPO = ObjectivePreset(
     objective=GSPOObjective(eps_low=3e-4, eps_high=4e-4),
     mode="seq_mean_token_mean",
     advantage_scale="group",
-    verl={
-        "policy_loss.loss_mode": "gspo",
-        "clip_ratio_low": 3e-4,
-        "clip_ratio_high": 4e-4,
-        "loss_agg_mode": "seq-mean-token-mean",
-    },
-    trl={"importance_sampling_level": "sequence", "epsilon": 3e-4, "epsilon_high": 4e-4},
 )
 
 CISPO = ObjectivePreset(
@@ -202,11 +195,42 @@ CISPO = ObjectivePreset(
     objective=CISPOObjective(eps_low=1.0, eps_high=0.28),
     mode="token_mean",
     advantage_scale="group",
-    verl={"policy_loss.loss_mode": "cispo", "loss_agg_mode": "token-mean"},
-    trl={"loss_type": "cispo"},
 )
 
-#: The presets by name (read-only).
-PRESETS: Mapping[str, ObjectivePreset] = MappingProxyType(
-    {p.name: p for p in (DAPO, GRPO, DR_GRPO, GSPO, CISPO)}
-)
+
+class UnknownPresetError(KeyError, InputError):
+    """``PRESETS[name]`` with a name that is not a preset; the message lists the valid names.
+
+    A ``KeyError`` (so ``PRESETS.get`` and ``in`` work as for any mapping) and an
+    :class:`InputError`."""
+
+    def __str__(self) -> str:  # KeyError's would show the message quoted, as a key
+        return str(self.args[0])
+
+
+class _Presets(Mapping[str, ObjectivePreset]):
+    """Read-only name -> preset mapping whose missing key names the valid ones."""
+
+    def __init__(self, *presets: ObjectivePreset) -> None:
+        self._by_name = {p.name: p for p in presets}
+
+    def __getitem__(self, name: str) -> ObjectivePreset:
+        try:
+            return self._by_name[name]
+        except (KeyError, TypeError):
+            raise UnknownPresetError(
+                f"no preset {name!r}; the presets are {', '.join(map(repr, self._by_name))}"
+            ) from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._by_name)
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def __repr__(self) -> str:
+        return f"PRESETS({', '.join(self._by_name)})"
+
+
+#: The presets by name (read-only); an unknown name raises :class:`UnknownPresetError`.
+PRESETS: Mapping[str, ObjectivePreset] = _Presets(DAPO, GRPO, DR_GRPO, GSPO, CISPO)
