@@ -15,8 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import Case, Result
-from benchmarks.targets import Target
+from benchmarks.harness import Case, Result, Target
 
 FORMAT = 2
 CASE_FIELDS = (
@@ -207,6 +206,7 @@ def render(data: dict[str, Any]) -> str:
     )
     lines = [
         HEADER.replace("{minutes}", f"{minutes:.0f}" if minutes else "?"),
+        *glance(runs),
         "",
         "## Targets",
         "",
@@ -219,13 +219,22 @@ def render(data: dict[str, Any]) -> str:
         "| device | suite | target | measured | limit | verdict |",
         "|---|---|---|---|---|---|",
     ]
+    reasons: list[str] = []  # a miss's reason, as a numbered note below the table
     for device, suites in runs.items():
         for name in (n for n in SUITES if n in suites):
             for t in suite_targets(name, suites[name], device):
+                verdict = t.verdict
+                head, sep, reason = verdict.partition(" (")
+                if sep and reason.endswith(")") and head.startswith("**not met**"):
+                    reasons.append(reason[:-1])
+                    verdict = f"{head} [{len(reasons)}]"
                 lines.append(
                     f"| {device} | {name} | {t.name} | {t.measured} | {t.limit} | "
-                    f"{t.verdict.replace('|', chr(92) + '|')} |"
+                    f"{verdict.replace('|', chr(92) + '|')} |"
                 )
+    if reasons:
+        lines += ["", "Why a target was missed:", ""]
+        lines += [f"{i}. {r}" for i, r in enumerate(reasons, 1)]
     missing = [f"`{n}`" for n in SUITES if n not in runs.get("cpu", {})]
     if missing:
         lines += [
@@ -246,6 +255,61 @@ def render(data: dict[str, Any]) -> str:
             lines += render_record(title, list(suite.notes), suites[name], device == "cuda")
     lines += ["", "## Reference implementations", "", REFERENCES]
     return "\n".join(lines) + "\n"
+
+
+#: Peer families of the summary table: (label, test on an implementation's name).
+PEERS: tuple[tuple[str, Any], ...] = (
+    ("naive PyTorch", lambda impl: impl.startswith("naive")),
+    ("verl 0.9.1 (its functions, or op-for-op mirrors)", lambda impl: "verl" in impl),
+    ("TRL (op-for-op mirrors)", lambda impl: "TRL" in impl or impl.startswith("trl")),
+    ("Liger-Kernel", lambda impl: "Liger" in impl),
+    ("cut-cross-entropy", lambda impl: "cut-cross-entropy" in impl),
+)
+
+
+def glance(runs: dict[str, dict[str, Any]]) -> list[str]:
+    """The summary on top: per device and peer, our default path's time over the peer's,
+    median and range over the cases where both ran (each case's first ``ours`` row)."""
+    rows = []
+    for device, suites in runs.items():
+        for label, is_peer in PEERS:
+            ratios, suite_names = [], []
+            for name, record in suites.items():
+                results = [r for r in record_results(record) if r.times]
+                for op, size in dict.fromkeys((r.op, r.size) for r in results):
+                    case = [r for r in results if (r.op, r.size) == (op, size)]
+                    ours = next((r for r in case if r.role == "ours"), None)
+                    theirs = [r for r in case if r.role == "ref" and is_peer(r.impl)]
+                    if ours is None or not theirs:
+                        continue
+                    ratios += [t.median / ours.median for t in theirs]
+                    suite_names.append(name)
+            if ratios:
+                ratios.sort()
+                mid = (
+                    ratios[len(ratios) // 2]
+                    if len(ratios) % 2
+                    else (ratios[len(ratios) // 2 - 1] + ratios[len(ratios) // 2]) / 2
+                )
+                where = ", ".join(dict.fromkeys(suite_names))
+                rows.append(
+                    f"| {device} | {label} | {len(ratios)} ({where}) | {_x(mid)} | "
+                    f"{_x(ratios[0])} to {_x(ratios[-1])} |"
+                )
+    if not rows:
+        return []
+    return [
+        "",
+        "## At a glance",
+        "",
+        "Speed-up of our default path over each peer: the peer's median time over ours, per "
+        "case where both ran (above 1: faster than the peer; below 1: slower). The detail, "
+        "case by case, is in the sections below.",
+        "",
+        "| device | against | comparisons (suites) | speed-up, median | range |",
+        "|---|---|---|---|---|",
+        *rows,
+    ]
 
 
 REFERENCES = """`benchmarks/references.py` holds our own re-implementations of the peers' code paths,

@@ -26,7 +26,8 @@ import torch
 import dapo_ops as d
 from benchmarks import report
 from benchmarks.environment import loadavg, machine_description, peers
-from benchmarks.harness import Protocol, copy_bandwidth, run_case, warm_allocator
+from benchmarks.harness import Protocol, copy_bandwidth, warm_allocator
+from benchmarks.runner import run_case
 from benchmarks.suites import SUITES
 
 ROOT = Path(__file__).resolve().parent.parent

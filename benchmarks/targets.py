@@ -2,31 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from benchmarks.harness import Result
-
-
-@dataclass
-class Target:
-    """One target, evaluated on the measured numbers of one run."""
-
-    name: str
-    measured: str
-    limit: str
-    met: bool | None  # None: not measured in this run
-    reason: str = ""
-    recorded: bool = False  # a figure the issue asks for without a limit
-
-    @property
-    def verdict(self) -> str:
-        if self.recorded:
-            return "recorded (no limit set)"
-        if self.met is None:
-            return f"not measured ({self.reason})" if self.reason else "not measured"
-        if self.met:
-            return f"**met** ({self.reason})" if self.reason else "**met**"
-        return f"**not met** ({self.reason})" if self.reason else "**not met**"
+from benchmarks.harness import Result, Target
 
 
 def compare(

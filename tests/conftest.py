@@ -105,7 +105,7 @@ def _unwrap_dataclass_inits() -> None:
     import sys
 
     import dapo_ops  # noqa: F401  (imports every module that defines a dataclass)
-    from dapo_ops._checked import checks_values
+    from dapo_ops._core._checked import checks_values
 
     modules = [m for n, m in sys.modules.items() if n.startswith("dapo_ops")]
     for module in modules:

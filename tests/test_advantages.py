@@ -11,7 +11,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from dapo_ops import group_advantages
-from dapo_ops.advantages import ZERO_STD_RTOL
+from dapo_ops.advantages.group import ZERO_STD_RTOL
 
 F32, F64 = torch.float32, torch.float64
 

@@ -168,12 +168,20 @@ BAD_INT1 = (0, -1, 2.5, NAN, True, "3")  # an int >= 1
 BAD_BOOL = (1, "yes", None)
 BAD_MODE = ("mean", "", None)
 BAD_NORM = (0.0, -1.0, NAN, INF)  # normalizer: a count > 0
+# the sampler's truncation: top_k an int >= 1 (None, 0, -1: off), top_p in (0, 1], min_p in [0, 1]
+TRUNC_OPTS = {
+    "top_k": (-2, 2.5, True, "3"),
+    "top_p": (0.0, 1.5, NAN, INF, "0.9"),
+    "min_p": (-0.1, 1.5, NAN, True),
+}
 # The covariance selections: nothing is differentiated (no constant to guard), and a
 # non-finite input makes the covariance non-finite (no candidate, or a documented draw).
 COV_LOGP = dataclasses.replace(LOGP_M, nan=ANY)
 COV_ADV = dataclasses.replace(ADV_M, nan=ANY)
 OBJ = d.ClipHigher()
 KL = d.KLPenalty()
+TEACHER = OLD  # a teacher's log-probs: a constant; +-inf gives a finite (clamped) loss
+DISTILL = d.TeacherKL()
 LINEAR_OPTS = {
     "mode": BAD_MODE,
     "normalizer": BAD_NORM,
@@ -182,14 +190,18 @@ LINEAR_OPTS = {
     "chunk_size": BAD_INT1,
     "entropy_coef": (NAN, INF, "0.1", None),
     "objective": (None, "clip"),
+    "backend": ("cuda", "", None),
+    **TRUNC_OPTS,
 }
 
 REGISTRY: list[Spec] = [
     # ------------------------------------------------------------ loss path
     spec("aggregate_partial", {"mode": BAD_MODE, "max_len": BAD_INT1}, per_token_loss=TOKEN, mask=MASK),
-    spec("clip_cov_mask", {"eps_low": BAD_PROB, "eps_high": (-0.1, NAN, INF), "fraction": (0.0, 1.5, NAN, "0.1"), "cov_low": (NAN, "1"), "cov_high": (NAN, None), "log_ratio_clamp": BAD_POS, "generator": ("seed", 0)}, logp=COV_LOGP, old_logp=COV_LOGP, advantages=COV_ADV, mask=MASK, generator=Fresh(lambda: torch.Generator().manual_seed(0))),
+    spec("clip_cov_mask", {"objective": (None, "clip", d.CISPO()), "fraction": (0.0, 1.5, NAN, "0.1"), "cov_low": (NAN, "1"), "cov_high": (NAN, None), "generator": ("seed", 0)}, logp=COV_LOGP, old_logp=COV_LOGP, advantages=COV_ADV, mask=MASK, generator=Fresh(lambda: torch.Generator().manual_seed(0))),
     spec("cispo_surrogate", {"cap": (0.5, NAN, INF), "floor": (-0.1, 1.5, NAN), "log_ratio_clamp": BAD_POS}, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK),
     spec("clip_higher_surrogate", {"eps_low": BAD_PROB, "eps_high": (-0.1, NAN, INF), "dual_clip": (1.0, 0.5, NAN, INF), "log_ratio_clamp": BAD_POS}, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK),
+    spec("distill_advantages", {"distill": (None, KL)}, logp=LOGP_M, teacher_logp=TEACHER, mask=MASK, task_advantages=ADV, distill=DISTILL),
+    spec("distill_loss", {"distill": (None, KL), "mode": BAD_MODE, "normalizer": BAD_NORM, "max_len": BAD_INT1}, logp=LOGP, teacher_logp=TEACHER, mask=MASK, distill=DISTILL),
     spec("entropy_bonus", {"coef": (NAN, INF, "0.1", None), "mode": BAD_MODE, "normalizer": BAD_NORM, "max_len": BAD_INT1}, entropy=ENTROPY, mask=MASK, coef=0.01),
     spec("gspo_sequence_ratio", logp=LOGP, old_logp=OLD, mask=MASK),
     spec("gspo_surrogate", {"eps_low": BAD_PROB, "eps_high": (-0.1, NAN, INF)}, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK),
@@ -199,25 +211,30 @@ REGISTRY: list[Spec] = [
     spec("linear_policy_loss_with_diagnostics", LINEAR_OPTS, hidden=HIDDEN_LOSS, weight=WEIGHT, tokens=TOKENS, old_logp=OLD, advantages=ADV, mask=MASK, bias=Arg("float", ("V",), neginf=ANY), ref_logp=OLD, is_weights=IS_W, kl=KL, entropy_coef=0.01, empty="any"),
     spec("objective_diagnostics", objective=OBJ, logp=LOGP_M, old_logp=LOGP_M, advantages=ADV_DIAG, mask=MASK, entropy=ENTROPY, empty="any"),
     spec("per_token_loss", objective=OBJ, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK),
-    spec("policy_diagnostics", {"eps_low": BAD_PROB, "eps_high": (-0.1, NAN, INF), "dual_clip": (1.0, NAN), "log_ratio_clamp": BAD_POS}, logp=LOGP_M, old_logp=LOGP_M, advantages=ADV_DIAG, mask=MASK, empty="any"),
-    spec("policy_loss", {"mode": BAD_MODE, "normalizer": BAD_NORM, "max_len": BAD_INT1, "compiled": BAD_BOOL}, objective=OBJ, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK, ref_logp=OLD, is_weights=IS_W, kl=KL, kl_weights=IS_W),
-    spec("policy_loss_with_diagnostics", {"mode": BAD_MODE, "normalizer": BAD_NORM, "max_len": BAD_INT1}, objective=OBJ, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK, ref_logp=OLD, is_weights=IS_W, kl=KL, empty="any"),
+    spec("policy_diagnostics", {"objective": (None, "clip")}, logp=LOGP_M, old_logp=LOGP_M, advantages=ADV_DIAG, mask=MASK, empty="any"),
+    spec("policy_loss", {"mode": BAD_MODE, "normalizer": BAD_NORM, "max_len": BAD_INT1, "compiled": BAD_BOOL, "distill": ("k3", KL)}, objective=OBJ, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK, ref_logp=OLD, is_weights=IS_W, kl=KL, kl_weights=IS_W, teacher_logp=TEACHER, distill=DISTILL),
+    spec("policy_loss_with_diagnostics", {"mode": BAD_MODE, "normalizer": BAD_NORM, "max_len": BAD_INT1, "distill": ("k3", KL)}, objective=OBJ, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK, ref_logp=OLD, is_weights=IS_W, kl=KL, teacher_logp=TEACHER, distill=DISTILL, empty="any"),
     spec("token_level_aggregate", {"mode": BAD_MODE, "normalizer": BAD_NORM, "max_len": BAD_INT1}, per_token_loss=TOKEN, mask=MASK),
     spec("token_level_loss", {"eps_low": BAD_PROB, "eps_high": (-0.1, NAN, INF), "mode": BAD_MODE, "normalizer": BAD_NORM, "dual_clip": (1.0, NAN), "max_len": BAD_INT1, "log_ratio_clamp": BAD_POS, "kl_beta": BAD_NONNEG, "kl_estimator": ("k9",), "compiled": BAD_BOOL, "return_diagnostics": BAD_BOOL}, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK, ref_logp=OLD, is_weights=IS_W, kl_beta=0.1),
+    spec("value_loss", {"clip": BAD_POS, "mode": BAD_MODE, "normalizer": BAD_NORM, "max_len": BAD_INT1}, values=TOKEN, old_values=dataclasses.replace(TOKEN, const=True), returns=dataclasses.replace(TOKEN, const=True), mask=MASK),
     spec("truncated_is_weights", {"level": ("seq", None), "cap": BAD_POS, "lower": (-0.1, NAN, INF), "batch_normalize": BAD_BOOL}, old_logp=OLD, rollout_logp=OLD, mask=MASK),
     # ------------------------------------------------------------ log-probs
-    spec("fused_logprobs_entropy", {"temperature": BAD_POS, "chunk_size": BAD_INT1}, hidden=HIDDEN, weight=WEIGHT, tokens=TOKENS, bias=Arg("float", ("V",), neginf=ANY)),
-    spec("token_entropy", {"temperature": BAD_POS, "chunk_size": BAD_INT1}, logits=LOGITS),
-    spec("token_logprobs", {"temperature": BAD_POS, "chunk_size": BAD_INT1, "inplace_backward": BAD_BOOL}, logits=LOGITS, tokens=TOKENS),
-    spec("token_logprobs_and_entropy", {"temperature": BAD_POS, "chunk_size": BAD_INT1, "inplace_backward": BAD_BOOL}, logits=LOGITS, tokens=TOKENS),
+    spec("fused_logprobs_entropy", {"temperature": BAD_POS, "chunk_size": BAD_INT1, **TRUNC_OPTS, "backend": ("cuda", "", None)}, hidden=HIDDEN, weight=WEIGHT, tokens=TOKENS, bias=Arg("float", ("V",), neginf=ANY)),
+    spec("token_entropy", {"temperature": BAD_POS, "chunk_size": BAD_INT1, **TRUNC_OPTS}, logits=LOGITS),
+    spec("token_logprobs", {"temperature": BAD_POS, "chunk_size": BAD_INT1, "inplace_backward": BAD_BOOL, **TRUNC_OPTS}, logits=LOGITS, tokens=TOKENS),
+    spec("token_logprobs_and_entropy", {"temperature": BAD_POS, "chunk_size": BAD_INT1, "inplace_backward": BAD_BOOL, **TRUNC_OPTS}, logits=LOGITS, tokens=TOKENS),
     # ------------------------------------------------------------ per batch
     spec("adaptive_entropy_coef", {"coef": (NAN, INF, "0.1"), "entropy": (NAN, "0.3", None), "target": (NAN, INF, "0.2"), "delta": (-0.1, NAN, INF), "coef_min": (NAN, 2.0), "coef_max": (NAN, -1.0)}, coef=0.1, entropy=0.3),
+    spec("adaptive_kl_coef", {"coef": (NAN, INF, "0.1"), "current_kl": (NAN, "0.3", None), "target": (0.0, -1.0, NAN, INF, "0.1"), "n_steps": (-1, 2.5, True, "3"), "horizon": (0, -1, 2.5, True)}, coef=0.1, current_kl=0.3, n_steps=16),
     spec("batch_diagnostics", {"max_len": (*BAD_INT1, 2**63)}, lengths=LENGTHS, keep=Arg("bool", ("B",)), group_ids=GROUP_IDS, max_len=6),
     spec("dynamic_sample_mask", {"atol": BAD_NONNEG}, metric=dataclasses.replace(METRIC, bad_dtypes=(torch.complex64,))),
     spec("group_advantages", {"scale": ("std", None), "baseline": ("median",), "eps": BAD_NONNEG, "unbiased": BAD_BOOL, "singleton": ("nan",)}, rewards=METRIC),
+    spec("kl_reward", {"coef": (NAN, INF, "0.1", None), "estimator": ("k9", None), "clamp": BAD_POS}, token_scores=TOKEN, logp=OLD, ref_logp=OLD, mask=MASK, coef=0.1),
     spec("kept_group_fraction", keep=Arg("bool", ("B",)), group_ids=GROUP_IDS),
     spec("overlong_filter", mask=MASK, truncated=Arg("bool", ("B",))),
     spec("overlong_reward", {"max_len": BAD_INT1, "cache_len": (0, -1, 7, 2.5, True), "factor": BAD_NONNEG}, lengths=LENGTHS, max_len=6, cache_len=3),
+    spec("pf_ppo_resample", {"method": ("power", None), "weight_pow": (NAN, INF, "2"), "generator": ("seed", 0)}, scores=Arg("float", ("B",), nan=RAISE, posinf=RAISE, neginf=RAISE), generator=Fresh(lambda: torch.Generator().manual_seed(0))),
+    spec("pf_ppo_weights", {"method": ("power", None), "weight_pow": (NAN, INF, "2")}, scores=Arg("float", ("B",))),
     spec("prompts_to_generate", {"groups_needed": (-1, 2.5, NAN, INF, True), "kept_fraction": (-0.1, 1.5, NAN, INF, "0.5"), "min_fraction": (0.0, 1.5, NAN, INF), "max_prompts": BAD_INT1}, groups_needed=96, kept_fraction=0.4, max_prompts=512),
     # ------------------------------------------------------------ estimators, masks, metrics
     spec("gae_advantages", {"gamma": (-0.1, 1.5, NAN, INF), "lam": (-0.1, 1.5, NAN, INF), "whiten": BAD_BOOL}, rewards=TOKEN, values=TOKEN, mask=MASK),
@@ -226,6 +243,7 @@ REGISTRY: list[Spec] = [
     spec("gpg_advantages", {"f_norm": BAD_POS}, scores=SCORES),
     spec("high_entropy_mask", {"top_quantile": (0.0, -0.5, 1.5, NAN, INF)}, entropies=dataclasses.replace(ENTROPY, nan=ANY, posinf=ANY, neginf=ANY), mask=MASK, top_quantile=0.2),
     spec("masked_whiten", values=TOKEN, mask=MASK),
+    spec("maxrl_advantages", {"eps": BAD_NONNEG}, scores=SCORES),
     spec("off_policy_sequence_mask", {"threshold": (NAN, "0.5")}, advantages=dataclasses.replace(ADV_M, nan=ANY), logp=dataclasses.replace(LOGP_M, nan=ANY), sampling_logp=dataclasses.replace(LOGP_M, nan=ANY), mask=MASK, threshold=0.5),
     spec("offpolicy_metrics", old_logp=LOGP_M, rollout_logp=LOGP_M, mask=MASK, is_weights=dataclasses.replace(IS_W, const=False)),
     spec("opo_advantages", scores=SCORES, lengths=Arg("count", ("B", "S"), float_dtype=torch.int64)),

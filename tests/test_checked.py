@@ -1,7 +1,7 @@
 """Checked mode (issue 28, item 10): value errors that cost a host sync, opt-in.
 
 Every public function of the bad-input registry with a role argument (masks, log-probs,
-advantages, group verdicts; :mod:`dapo_ops._value_checks`) gets an offending value at a
+advantages, group verdicts; :mod:`dapo_ops._core._value_checks`) gets an offending value at a
 valid position: ``InputError`` naming the argument and the position in checked mode, no
 error when off; garbage at masked positions never raises; the off path never calls the
 checks; the mode's switches (context manager, decorator, threads, the environment
@@ -24,7 +24,7 @@ import torch
 from test_bad_inputs import REGISTRY, SPECS, build, call, masked_positions, outputs
 
 import dapo_ops as d
-from dapo_ops import _checked, _value_checks
+from dapo_ops._core import _checked, _value_checks
 
 pytestmark = pytest.mark.usefixtures("no_runtime_typecheck")
 

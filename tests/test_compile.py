@@ -227,6 +227,11 @@ def test_variants_and_presets() -> None:
             "diag",
         ),
         (lambda lp: d.batch_diagnostics(lengths, max_len=10).overlong_samples, "batch diag"),
+        (lambda lp: d.value_loss(lp, b.old_logp, ref, b.mask, clip=0.02).loss, "value loss"),
+        (
+            lambda lp: d.kl_reward(b.old_logp, lp.detach(), ref, b.mask, coef=0.1).rewards.sum(),
+            "kl reward",
+        ),
     ]
     cases += [
         (

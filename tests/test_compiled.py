@@ -1,4 +1,4 @@
-"""``compiled=True``: the one-graph compiled path (dapo_ops._compiled), here for ClipHigher
+"""``compiled=True``: the one-graph compiled path (dapo_ops.engine._compiled), here for ClipHigher
 through ``token_level_loss`` (every objective: tests/test_objectives.py).
 
 Its loss and gradient, and the reference composition's, are each within a derived bound of
@@ -30,7 +30,7 @@ from test_fused import (
 )
 
 from dapo_ops import ClipHigher, InputError, checked, token_level_loss
-from dapo_ops._engine import LossSpec, generic_terms
+from dapo_ops.engine._engine import LossSpec, generic_terms
 
 pytestmark = pytest.mark.usefixtures("no_runtime_typecheck")
 
@@ -261,7 +261,7 @@ def test_configurations_past_the_cap_share_one_graph(monkeypatch: pytest.MonkeyP
     """A new objective value every step (a schedule) does not compile without end: past
     MAX_CONFIGURATIONS the configurations share one function, and past its recompile
     limit the call warns and runs eagerly, as one shared function always did."""
-    from dapo_ops import _compiled
+    from dapo_ops.engine import _compiled
 
     torch._dynamo.reset()
     monkeypatch.setattr(_compiled, "_COMPILED", {})

@@ -2,7 +2,7 @@
 without dynamo.
 
 With ``backend="eager"`` the exported graph runs the very operations of the fused body
-(:func:`dapo_ops._engine.generic_terms` after :func:`dapo_ops.loss_scale`), so its loss
+(:func:`dapo_ops.engine._engine.generic_terms` after :func:`dapo_ops.loss_scale`), so its loss
 and gradient are compared *bitwise* with that body evaluated eagerly; with inductor (as
 users run it) each is held to the derived bound of the float64 value (tests/_bounds.py).
 """
@@ -21,9 +21,10 @@ from test_fused_kl_is import _exact_loss
 
 import dapo_ops
 from dapo_ops import ClipHigher, InputError, KLPenalty, policy_loss
-from dapo_ops._engine import generic_terms, policy_tensors
-from dapo_ops.aggregation import loss_scale, scaled_sum
-from dapo_ops.compiled_loss import CompiledPolicyLoss
+from dapo_ops._core._inputs import policy_tensors
+from dapo_ops.engine._engine import generic_terms
+from dapo_ops.engine.aggregation import loss_scale, scaled_sum
+from dapo_ops.engine.compiled_loss import CompiledPolicyLoss
 from dapo_ops.objectives import OBJECTIVES, Objective
 
 pytestmark = pytest.mark.usefixtures("no_runtime_typecheck")
@@ -40,7 +41,9 @@ def _eager_body(
     scale = loss_scale(
         valid, mode=loss_fn.mode, normalizer=den, max_len=loss_fn.max_len, dtype=dtype
     )  # type: ignore[arg-type]
-    spec = dapo_ops._engine.LossSpec(loss_fn.objective, loss_fn.kl, loss_fn.mode, loss_fn.max_len)
+    spec = dapo_ops.engine._engine.LossSpec(
+        loss_fn.objective, loss_fn.kl, loss_fn.mode, loss_fn.max_len
+    )
     rows, grad = generic_terms(
         spec, logp, old, adv2, valid, scale, kw.get("ref_logp"), kw.get("is_weights"), True,
         kw.get("kl_weights"),

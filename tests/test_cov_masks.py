@@ -21,7 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import dapo_ops as d
-from dapo_ops.cov_masks import clip_cov_candidates
+from dapo_ops.correction.cov_masks import clip_cov_candidates
 
 pytestmark = pytest.mark.usefixtures("no_runtime_typecheck")
 
@@ -89,7 +89,7 @@ def test_kl_cov_mask_ties_go_to_the_first_token() -> None:
 def test_clip_cov_mask_draws_from_the_candidates(case: tuple, seed: int) -> None:  # type: ignore[type-arg]
     b, fraction, dtype = case
     old = b.old_logp
-    kw = {"eps_low": 0.2, "eps_high": 0.28, "cov_low": 0.2, "cov_high": 3.0}
+    kw = {"objective": d.ClipHigher(eps_low=0.2, eps_high=0.28), "cov_low": 0.2, "cov_high": 3.0}
     got = d.clip_cov_mask(
         b.logp, old, b.advantages, b.mask, fraction=fraction,
         generator=torch.Generator().manual_seed(seed), **kw,

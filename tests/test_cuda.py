@@ -176,6 +176,35 @@ def test_linear_low_precision_within_derived_bounds(dtype: torch.dtype, chunk: i
 
 
 @CUDA
+@pytest.mark.parametrize(("objective", "opts"), CASES)
+def test_triton_float64_equals_the_naive_path(objective: d.Objective, opts: dict[str, Any]) -> None:
+    """backend='triton' (the kernels of tests/test_triton_linear.py, compiled for the GPU)
+    in float64 against the naive path on the CPU, 1e-10 relative."""
+    p, opts = case_inputs(opts)
+    want = grads(naive_loss(objective, p, opts), p)
+    gp = {k: v.to(DEV) for k, v in p.items()}
+    kernel_opts = {k: v for k, v in to(DEV, opts).items() if k != "chunk_size"}
+    got_loss, got_grads = grads(linear(objective, gp, kernel_opts | {"backend": "triton"}), gp)
+    assert_f64((got_loss.cpu(), [g.cpu() for g in got_grads]), want, f"{objective!r} triton")
+
+
+@CUDA
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_low_precision_within_derived_bounds(dtype: torch.dtype) -> None:
+    """backend='triton' with float32 / bfloat16 inputs on the GPU (float32 tiles with
+    input_precision='ieee': no TF32), within the derived bounds."""
+    objective, coef = d.ClipHigher(), 0.05
+    p = problem(4, 9, 16, 301, seed=3, dtype=dtype)
+    gp = {k: v.to(DEV) for k, v in p.items()}
+    loss, got = grads(linear(objective, gp, {"entropy_coef": coef, "backend": "triton"}), gp)
+    assert all(x.dtype == dtype for x in got)
+    want_loss, loss_err, want, errs = float32_bounds(objective, p, coef, dtype)
+    assert_within(loss.cpu(), want_loss, loss_err, "loss")
+    for name, x, y, e in zip(("hidden", "weight", "bias"), got, want, errs, strict=True):
+        assert_within(x.cpu(), y, e, f"{dtype} d {name}")
+
+
+@CUDA
 def test_linear_extra_memory_is_the_gradients_plus_one_chunk() -> None:
     """Extra peak of one fwd+bwd (``max_memory_allocated``, inputs excluded) at 4096
     tokens x vocab 32000 (the float32 logits: 500 MiB): the weight and hidden gradients,
@@ -268,6 +297,7 @@ DOCUMENTED_SYNCS: dict[str, str] = {
     "opo_advantages": "lengths finite and >= 0",
     "overlong_reward": "lengths finite and >= 0",
     "passk_advantages": "two samples in every group",
+    "pf_ppo_resample": "weights finite; torch.multinomial",
     "token_logprobs": "token ids in [0, vocab)",
     "token_logprobs_and_entropy": "token ids in [0, vocab)",
 }

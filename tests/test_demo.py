@@ -237,3 +237,41 @@ def test_the_docs_reading_holds_on_the_committed_csv() -> None:
             assert abs(statistics.fmean(ds)) < spread("token_level", key)
     # dynamic sampling: more answers to the target on every seed
     assert all(d > 0 for ds in diffs("dynamic_sampling", "samples_to_target") for d in ds)
+
+
+# ------------------------------------------------------------ what the command tells a user
+def test_cli_quotes_the_published_seed0_results() -> None:
+    """``dapo_ops/demo/expected.py`` is the committed CSV's seed-0 DAPO and GRPO accuracy."""
+    from dapo_ops.demo.expected import SEED0_FINAL_ACCURACY
+
+    runs = report.read_table(PUBLISHED / "runs.csv")
+    assert docs.seed0_accuracy(runs) == SEED0_FINAL_ACCURACY, "stale: " + docs.COMMAND
+    expected = Path(demo.__file__).with_name("expected.py").read_text()
+    assert expected == docs.expected_module(runs), "stale: " + docs.COMMAND
+
+
+def test_default_command_announces_itself_and_its_expectation() -> None:
+    default = demo.parse_args([])
+    text = demo.cli.announce(default)
+    assert "2 run(s) (DAPO (all five), GRPO; seed 0)" in text and "0 %" in text
+    note = demo.cli.expectation(default)
+    assert note is not None and "DAPO above GRPO" in note
+    # another budget, seed or row set is not the published run: no expectation quoted
+    for argv in (["--seed", "1"], ["--budget", "256"], ["--no-clip-higher"], ["--ablation"]):
+        assert demo.cli.expectation(demo.parse_args(argv)) is None, argv
+
+
+def test_footnotes_only_explain_what_the_table_shows() -> None:
+    def runs(acc_to_target: str, seeds: int) -> list[dict[str, str]]:
+        row = {k: "0.5" for k in report.RUN_COLUMNS}
+        return [
+            {**row, "row": "dapo", "label": "DAPO", "seed": str(s), "target": "0.9",
+             "samples_to_target": acc_to_target if s == 0 else ""}
+            for s in range(seeds)
+        ]  # fmt: skip
+
+    reached = docs.table(runs("1000", 1))
+    assert "never" not in reached and reached.rstrip().endswith("Seed 0.")
+    assert "*never*" in docs.table(runs("", 1))
+    assert "(k/2)" in docs.table(runs("1000", 2))  # one of two seeds reached it
+    assert "(k/2)" not in docs.table([{**r, "samples_to_target": "9"} for r in runs("9", 2)])

@@ -1,4 +1,4 @@
-"""The entropy bonus and the adaptive entropy coefficient (dapo_ops.entropy)."""
+"""The entropy bonus and the adaptive entropy coefficient (dapo_ops.engine.entropy)."""
 
 from __future__ import annotations
 

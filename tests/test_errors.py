@@ -114,8 +114,8 @@ CASES: list[tuple[str, Callable[[], object], str]] = [
         "max_len",
     ),  # type: ignore[arg-type]
     (
-        "gspo adv per token",
-        lambda: d.gspo_surrogate(_t(B, S), _t(B, S), _t(B, S), _m(B, S)),
+        "gspo adv of another width",
+        lambda: d.gspo_surrogate(_t(B, S), _t(B, S), _t(B, S + 1), _m(B, S)),
         "advantages",
     ),
     ("cispo cap <1", lambda: d.cispo_surrogate(_t(B, S), _t(B, S), _t(B), cap=0.5), "cap"),

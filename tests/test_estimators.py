@@ -1,4 +1,4 @@
-"""Advantage estimators (dapo_ops.estimators, dapo_ops.returns): properties; peer parity is in
+"""Advantage estimators (dapo_ops.advantages.estimators, dapo_ops.advantages.returns): properties; peer parity is in
 tests/integration."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The engine's fused path for ClipHigher (dapo_ops._engine) equals the reference composition.
+"""The engine's fused path for ClipHigher (dapo_ops.engine._engine) equals the reference composition.
 
 Reference: ``token_level_aggregate(clip_higher_surrogate(...), mask, ...)`` under autograd.
 The fused logp gradient is computed with the same roundings in the same order, so for a
@@ -42,8 +42,8 @@ from dapo_ops import (
     token_level_aggregate,
     token_level_loss,
 )
-from dapo_ops._engine import eager_body, fused_loss
-from dapo_ops.policy import prepare
+from dapo_ops.engine._engine import eager_body, fused_loss
+from dapo_ops.engine.policy import prepare
 
 
 def fused_token_level_loss(
@@ -67,7 +67,7 @@ def fused_token_level_loss(
     )  # fmt: skip
     spec = dataclasses.replace(spec, chunk_elems=chunk_elems)
     if compiled:
-        from dapo_ops._compiled import compiled_body
+        from dapo_ops.engine._compiled import compiled_body
 
         backend = "inductor" if compiled is True else str(compiled)
         return fused_loss(spec, tensors, den, compiled_body(backend))
@@ -427,7 +427,7 @@ def test_cpu_fast_path_needs_no_fallback_on_clean_inputs(monkeypatch: pytest.Mon
     """Finite inputs (an active log-ratio clamp or inf padding included) and NaN in
     masked positions stay on the float-only CPU path; only a NaN log-ratio on a *valid*
     token sends its block to the `where`-based generic body."""
-    import dapo_ops._engine as engine
+    import dapo_ops.engine._engine as engine
 
     calls: list[int] = []
     exact = engine.generic_terms

@@ -1,5 +1,5 @@
 """The eager CPU kernel with IS weights and a KL penalty (``ClipHigher.cpu_terms`` with
-:class:`dapo_ops._kl_cpu.KLBlocks`) against the generic ``where``-based body.
+:class:`dapo_ops.engine._kl_cpu.KLBlocks`) against the generic ``where``-based body.
 
 The kernel runs the generic body's roundings on the same values, so its gradient is
 compared *bitwise* (the sign of a zero too); its loss sums in another order, so it and the
@@ -20,10 +20,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_fused import cases
 
-import dapo_ops._engine as engine
+import dapo_ops.engine._engine as engine
 from dapo_ops import ClipHigher, KLPenalty, kl_penalty, policy_loss
-from dapo_ops._engine import _scale, all_terms, generic_terms
-from dapo_ops.policy import prepare
+from dapo_ops.engine._engine import _scale, all_terms, generic_terms
+from dapo_ops.engine.policy import prepare
 
 pytestmark = pytest.mark.usefixtures("no_runtime_typecheck")
 

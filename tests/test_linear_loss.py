@@ -297,7 +297,7 @@ def float32_bounds(
         exact.grad_weight_err + extra.T @ h.abs(),
         exact.grad_bias_err + extra.sum(0),
     ]
-    scale = d.aggregation.loss_scale(mask, dtype=F64)
+    scale = d.engine.aggregation.loss_scale(mask, dtype=F64)
     with torch.no_grad():
         terms = (d.per_token_loss(objective, logp, p["old"], p["adv"], mask) * scale).abs().sum()
         bonus = (coef * scale * torch.where(mask, ent, 0.0)).sum()
@@ -368,6 +368,7 @@ def test_token_local_declarations() -> None:
         "DRO",
         "PolicyGradient",
         "RatioSurrogate",
+        "TOPR",
     }
 
     @dataclasses.dataclass(frozen=True)

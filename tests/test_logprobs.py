@@ -19,10 +19,10 @@ from _bounds import assert_within, fused_reference, softmax_reference, sum_bound
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dapo_ops import _softmax_blocks as softmax_blocks
 from dapo_ops import token_level_loss
-from dapo_ops._validate import InputError
-from dapo_ops.logprobs import (
+from dapo_ops._core._validate import InputError
+from dapo_ops.logprobs import _softmax_blocks as softmax_blocks
+from dapo_ops.logprobs.tokens import (
     LogpEntropy,
     fused_logprobs_entropy,
     token_entropy,

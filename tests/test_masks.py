@@ -1,4 +1,4 @@
-"""Token and sequence selections (dapo_ops.masks): properties against plain torch."""
+"""Token and sequence selections (dapo_ops.correction.masks): properties against plain torch."""
 
 from __future__ import annotations
 

@@ -32,6 +32,7 @@ from dapo_ops.objectives import (
     GSPO,
     OBJECTIVES,
     SAPO,
+    TOPR,
     VESPO,
     ClipHigher,
     Objective,
@@ -93,12 +94,13 @@ VARIANTS: dict[type[Objective], Objective] = {
     DRO: DRO(beta=0.3),
     PolicyGradient: PolicyGradient(log_ratio_clamp=5.0),
     VESPO: VESPO(k_pos=1.5, lambda_pos=2.0, k_neg=2.5, lambda_neg=1.5),
+    TOPR: TOPR(pos_coef=0.5, neg_coef=2.0),
 }
 
 #: Objectives that detach part of their value on purpose (``-sg[w] A log pi``): the value
 #: is not the integral of the gradient, so gradcheck of the value cannot apply. Their
 #: gradient is compared with autograd's of the reference definition instead.
-STOP_GRADIENT: tuple[type[Objective], ...] = (CISPO, DPPO, VESPO)
+STOP_GRADIENT: tuple[type[Objective], ...] = (CISPO, DPPO, VESPO, TOPR)
 
 
 def _shipped() -> Iterator[Any]:

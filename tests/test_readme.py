@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,7 +29,60 @@ def test_readme_has_the_two_setup_commands() -> None:
     blocks = re.findall(r"```bash\n(.*?)```", text.split("## Drop-in example")[0], re.S)
     assert len(blocks) == 2
     assert "python -m dapo_ops.demo" in blocks[0]
-    assert "pytest" in blocks[1] and "torch==2.13.0" in blocks[1]
+    assert "pytest" in blocks[1]
+    # True on any machine: no pin that would downgrade a user's newer torch, or pull a
+    # CUDA build where none is wanted; how to get the CPU build is said in words.
+    assert "torch==" not in blocks[0] + blocks[1]
+    assert "--index-url https://download.pytorch.org/whl/cpu" in " ".join(text.split())
+
+
+def test_ci_runs_the_readme_test_command_verbatim() -> None:
+    text = (ROOT / "README.md").read_text()
+    command = re.findall(r"```bash\n(.*?)\n```", text.split("## Drop-in example")[0], re.S)[1]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert 'eval "$test_cmd"' in ci and "Install and run the tests:" in ci
+    extracted = re.search(r"^Install and run the tests:\n\n```bash\n(.*)$", text, re.M)
+    assert extracted and extracted.group(1) == command
+    # .ci/run greps README's suite time from one line to say when it is stale
+    assert re.search(r"^.*whole suite takes about \d+ minutes", text, re.M)
+    assert "whole suite takes about [0-9]* minutes" in ci
+
+
+def _pyproject() -> dict[str, Any]:
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())  # type: ignore[no-any-return]
+
+
+def test_supported_versions_are_stated_once_and_agree_with_pyproject() -> None:
+    project = _pyproject()["project"]
+    torch_floor = next(d for d in project["dependencies"] if d.startswith("torch"))
+    text = " ".join((ROOT / "README.md").read_text().split())
+    stated = re.search(
+        r"\*\*Supported versions\*\*: torch >= ([\d.]+) .*? Python >= ([\d.]+) ", text
+    )
+    assert stated, "README.md lost its supported-versions line"
+    assert torch_floor == f"torch>={stated.group(1)}"
+    assert project["requires-python"] == f">={stated.group(2)}"
+    # each Python version classifier is at or above the floor
+    floor = tuple(int(x) for x in stated.group(2).split("."))
+    versions = [
+        tuple(int(x) for x in c.rsplit(":: ", 1)[1].split("."))
+        for c in project["classifiers"]
+        if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c)
+    ]
+    assert versions and min(versions) == floor
+
+
+def test_package_index_metadata() -> None:
+    project = _pyproject()["project"]
+    assert project["authors"] and project["keywords"]
+    classifiers = set(project["classifiers"])
+    assert "Typing :: Typed" in classifiers
+    assert any(c.startswith("Topic :: ") for c in classifiers)
+    # The licence is the SPDX expression (PEP 639): setuptools refuses a licence classifier
+    # beside it, and the index shows the expression.
+    assert project["license"] == "Apache-2.0"
+    assert not any(c.startswith("License ::") for c in classifiers)
 
 
 def test_objectives_example_runs_and_backpropagates() -> None:

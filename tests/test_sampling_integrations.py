@@ -1,17 +1,20 @@
 """The pure parts of dynamic sampling in the integrations (no TRL, no verl needed):
-``verl_sampling.filter_groups`` and the options of ``DapoGRPOTrainer(dynamic_sampling=...)``.
+``verl_sampling.filter_groups``, the options of ``DapoGRPOTrainer(dynamic_sampling=...)``
+and how it combines TRL's per-round metrics.
 
 Against the real peers: tests/integration/test_verl_sampling.py, test_trl_sampling.py.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
 import torch
 
 from dapo_ops import InputError
+from dapo_ops.integrations._trl_metrics import combine_rounds, kept_batch_metrics
 from dapo_ops.integrations.trl_sampling import (
     DEFAULT_MAX_GENERATION_BATCHES,
     DynamicSampling,
@@ -104,9 +107,11 @@ def test_trainer_options() -> None:
     assert options is not None
     assert options.max_generation_batches == DEFAULT_MAX_GENERATION_BATCHES == 10
     assert options.sampling_metric == "accuracy"
-    options = DynamicSampling.from_options(True, 3, "correct")
+    assert options.empty_batch == "skip"
+    options = DynamicSampling.from_options(True, 3, "correct", "raise")
     assert options is not None
     assert (options.max_generation_batches, options.sampling_metric) == (3, "correct")
+    assert options.empty_batch == "raise"
 
 
 @pytest.mark.usefixtures("no_runtime_typecheck")
@@ -119,9 +124,13 @@ def test_trainer_options() -> None:
         ((True, 0, None), "max_generation_batches must be an int in"),
         ((True, 2.0, None), "max_generation_batches must be an int"),
         ((True, None, ["accuracy"]), "sampling_metric must be a reward function's name"),
+        ((False, None, None, "skip"), "empty_batch='skip' is given but dynamic_sampling=False"),
+        ((True, None, None, "Skip"), "empty_batch must be 'skip' or 'raise', got 'Skip'"),
+        ((True, None, None, "train"), "empty_batch must be 'skip' or 'raise', got 'train'"),
+        ((True, None, None, 0), "empty_batch must be 'skip' or 'raise', got 0"),
     ],
 )
-def test_trainer_options_are_validated(options: tuple[Any, Any, Any], message: str) -> None:
+def test_trainer_options_are_validated(options: tuple[Any, ...], message: str) -> None:
     with pytest.raises(InputError, match=message):
         DynamicSampling.from_options(*options)
 
@@ -135,3 +144,56 @@ def test_trl_advantages_zero_for_unscorable_rows_and_options_checked() -> None:
         trl_advantages(rewards, torch.ones(2), 2, scale_rewards="groups")
     with pytest.raises(InputError, match="multi_objective_aggregation"):
         trl_advantages(rewards, torch.ones(2), 2, multi_objective_aggregation="sum")
+
+
+def test_round_metrics_are_weighted_by_samples() -> None:
+    rounds = [
+        (16, {"completions/mean_length": [4.0], "completions/clipped_ratio": [0.25],
+              "completions/mean_terminated_length": [3.0], "completions/min_length": [2.0],
+              "completions/max_terminated_length": [5.0], "sampling/x/max": [1.5],
+              "user": [float("nan")]}),
+        (8, {"completions/mean_length": [7.0], "completions/clipped_ratio": [1.0],
+             "completions/mean_terminated_length": [0.0], "completions/min_length": [1.0],
+             "completions/max_terminated_length": [0.0], "sampling/x/max": [2.5],
+             "user": [2.0]}),
+    ]  # fmt: skip
+    out = combine_rounds(rounds)
+    assert out["completions/mean_length"] == (16 * 4.0 + 8 * 7.0) / 24  # not (4 + 7) / 2
+    assert out["completions/clipped_ratio"] == (16 * 0.25 + 8 * 1.0) / 24
+    # round 2 has no terminated sample: TRL's 0 placeholders do not count
+    assert out["completions/mean_terminated_length"] == 3.0
+    assert out["completions/max_terminated_length"] == 5.0
+    assert out["completions/min_length"] == 1.0 and out["sampling/x/max"] == 2.5
+    assert out["user"] == 2.0  # NaN entries (a None reward) are left out, as TRL's log does
+    one = combine_rounds([(24, {"a": [0.1 + 0.2]})])
+    assert one["a"] == 0.1 + 0.2  # one round: TRL's entry as it wrote it
+    none = combine_rounds([(8, {"completions/clipped_ratio": [1.0],
+                                "completions/min_terminated_length": [0.0]})] * 2)  # fmt: skip
+    assert none["completions/min_terminated_length"] == 0.0  # no terminated sample: TRL's 0
+    assert math.isnan(combine_rounds([(8, {"a": [float("nan")]})])["a"])
+
+
+def test_kept_batch_metrics_are_trls_formulas() -> None:
+    from types import SimpleNamespace
+
+    trainer = SimpleNamespace(
+        reward_func_names=["acc", "len"],
+        reward_weights=torch.tensor([1.0, 0.5]),
+        num_generations=2,
+        scale_rewards="group",
+        multi_objective_aggregation="sum_then_normalize",
+    )
+    kept = torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, -1.0], [1.0, 1.0]])
+    out = kept_batch_metrics(trainer, kept)
+    total = kept[:, 0] + 0.5 * kept[:, 1]
+    assert out["reward"] == total.mean().item()
+    assert out["reward_std"] == pytest.approx(total.std().item(), rel=1e-6)  # TRL's nanstd
+    assert out["rewards/acc/mean"] == 0.75
+    assert out["rewards/len/std"] == pytest.approx(kept[:, 1].std().item(), rel=1e-6)
+    assert out["frac_reward_zero_std"] == 0.0
+    out = kept_batch_metrics(
+        trainer, torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 0.0], [1.0, -2.0]])
+    )
+    assert out["frac_reward_zero_std"] == 1.0  # both groups: equal totals
+    empty = kept_batch_metrics(trainer, kept[:0])
+    assert len(empty) == 7 and all(math.isnan(v) for v in empty.values())

@@ -103,3 +103,49 @@ class RstToMarkdown(griffe.Extension):
     def on_instance(self, *, obj: griffe.Object, **kwargs: Any) -> None:
         if obj.docstring is not None:
             obj.docstring.value = rst_to_markdown(obj.docstring.value)
+
+
+def _literal(module: str, name: str) -> str | None:
+    """The repr of ``module.name`` when it is a plain literal (number, string, bool, None)."""
+    import importlib
+
+    try:
+        value = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value)
+    return None
+
+
+class DefaultsAsValues(griffe.Extension):
+    """Shows a default that names a module constant as its value on the API page:
+    ``log_ratio_clamp = 20.0``, not ``= LOG_RATIO_CLAMP`` (the reader should not have to
+    look the constant up). Only plain literals are substituted; other defaults (an
+    objective value, say) keep their source text."""
+
+    def on_package(self, *, pkg: griffe.Module, **kwargs: Any) -> None:
+        stack: list[griffe.Object | griffe.Alias] = [pkg]
+        seen: set[str] = set()
+        while stack:
+            obj = stack.pop()
+            if obj.is_alias or obj.path in seen:
+                continue
+            seen.add(obj.path)
+            module = obj.module.path
+            if isinstance(obj, griffe.Function):
+                for param in obj.parameters:
+                    self._fix(param, "default", module)
+            elif isinstance(obj, griffe.Attribute):
+                self._fix(obj, "value", module)
+            stack.extend(obj.members.values())
+
+    on_package_loaded = on_package  # the hook's name before griffe 1.x's rename
+
+    @staticmethod
+    def _fix(holder: Any, field: str, module: str) -> None:
+        text = str(getattr(holder, field) or "")
+        if re.fullmatch(r"[A-Z][A-Z0-9_]+", text):
+            value = _literal(module, text)
+            if value is not None:
+                setattr(holder, field, value)

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 import dapo_ops as d
-from benchmarks import references as ref
+from benchmarks import references_rewards as ref_rewards
 from benchmarks.harness import Case, Fn, Impl
 from benchmarks.suites._peers import verl_version
 
@@ -95,7 +95,7 @@ def reward_cases(n: int, groups: int, device: str) -> list[Case]:
 
         def verl_loop(x: RewardInputs) -> Fn:
             rewards, mask = x.rewards.cpu()[:, None], torch.ones(x.rewards.numel(), 1)
-            return lambda: ref.verl_grpo_outcome_advantage(rewards.clone(), mask, x.uids)
+            return lambda: ref_rewards.verl_grpo_outcome_advantage(rewards.clone(), mask, x.uids)
 
         impls = [
             Impl(f"dapo_ops group_advantages ({layout})", "ours", ours),
@@ -108,7 +108,7 @@ def reward_cases(n: int, groups: int, device: str) -> list[Case]:
                 Impl(
                     PLAIN_VIEW,
                     "ref",
-                    lambda x: lambda: ref.trl_group_advantages(x.rewards, x.group_size),
+                    lambda x: lambda: ref_rewards.trl_group_advantages(x.rewards, x.group_size),
                 )
             )
         bytes_ = n * (4 + 4 + (8 if ragged else 0))
@@ -134,7 +134,7 @@ def reward_cases(n: int, groups: int, device: str) -> list[Case]:
 
         def dyn_verl(x: RewardInputs) -> Fn:
             metric = x.rewards.cpu().numpy()
-            return lambda: ref.verl_filter_groups(x.uids, metric)
+            return lambda: ref_rewards.verl_filter_groups(x.uids, metric)
 
         impls = [
             Impl(f"dapo_ops dynamic_sample_mask ({layout})", "ours", dyn),
@@ -155,7 +155,7 @@ def reward_cases(n: int, groups: int, device: str) -> list[Case]:
 
     def trl_overlong(x: RewardInputs) -> Fn:
         lengths = x.lengths.tolist()  # TRL receives completions as Python lists
-        return lambda: ref.trl_soft_overlong_punishment(lengths, 20_480, 4096)
+        return lambda: ref_rewards.trl_soft_overlong_punishment(lengths, 20_480, 4096)
 
     verl_penalty = "verl-style per-sample penalty loop"
     impls = [
@@ -167,7 +167,7 @@ def reward_cases(n: int, groups: int, device: str) -> list[Case]:
         Impl(
             verl_penalty,
             "ref",
-            lambda x: lambda: ref.verl_overlong_penalty(x.lengths.cpu(), 20_480, 4096, 1.0),
+            lambda x: lambda: ref_rewards.verl_overlong_penalty(x.lengths.cpu(), 20_480, 4096, 1.0),
         ),
         Impl("TRL-style list comprehension", "ref", trl_overlong),
     ]

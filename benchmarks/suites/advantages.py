@@ -13,11 +13,12 @@ import torch
 
 import dapo_ops as d
 from benchmarks import references as ref
-from benchmarks.harness import Case, Impl, Result, Suite, find
+from benchmarks import references_rewards as ref_rewards
+from benchmarks.harness import Case, Impl, Result, Suite, Target, find
 from benchmarks.suites._estimators import estimator_cases
 from benchmarks.suites._inputs import loss_inputs
 from benchmarks.suites._rewards import PLAIN_VIEW, reward_cases, reward_inputs
-from benchmarks.targets import Target, compare
+from benchmarks.targets import compare
 
 
 def make_cases(quick: bool, device: str) -> list[Case]:
@@ -62,7 +63,7 @@ def make_cases(quick: bool, device: str) -> list[Case]:
                 Impl(
                     "sum of per-micro-batch .item()",
                     "ref",
-                    lambda m: lambda: ref.trl_num_items_in_batch(m),
+                    lambda m: lambda: ref_rewards.trl_num_items_in_batch(m),
                 ),
             ],
             floor_bytes=8 * b * s,
@@ -85,17 +86,17 @@ def agreement(device: str) -> list[str]:
             if ragged
             else d.group_advantages(r.dense, eps=1e-6).flatten()
         )
-        want = ref.verl_grpo_outcome_advantage(
+        want = ref_rewards.verl_grpo_outcome_advantage(
             r.rewards.cpu()[:, None].clone(), torch.ones(r.rewards.numel(), 1), r.uids
         )[:, 0]
         torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
         if ragged:
             kept = torch.nonzero(d.dynamic_sample_mask(r.rewards, r.ids).cpu())[:, 0].tolist()
-            assert kept == ref.verl_filter_groups(r.uids, r.rewards.cpu().numpy())
+            assert kept == ref_rewards.verl_filter_groups(r.uids, r.rewards.cpu().numpy())
     lengths = reward_inputs(4096, 256, device, False).lengths
     torch.testing.assert_close(
         d.overlong_reward(lengths, max_len=20_480, cache_len=4096).cpu(),
-        ref.verl_overlong_penalty(lengths.cpu(), 20_480, 4096, 1.0),
+        ref_rewards.verl_overlong_penalty(lengths.cpu(), 20_480, 4096, 1.0),
     )
     return [
         "group_advantages (eps=1e-6) == verl-style loop; dynamic_sample_mask == filter_groups; "

@@ -20,9 +20,9 @@ import torch
 
 import dapo_ops as d
 from benchmarks.environment import installed
-from benchmarks.harness import Case, Fn, Impl, Result, Suite
-from benchmarks.targets import Target, at_most, because, compare
-from dapo_ops._fused_linear import WEIGHT_BLOCK_ROWS
+from benchmarks.harness import Case, Fn, Impl, Result, Suite, Target
+from benchmarks.targets import at_most, because, compare
+from dapo_ops.logprobs._fused_linear import WEIGHT_BLOCK_ROWS
 
 UNIT = "one h @ W.T (forward matmul; the time unit)"
 NAIVE = "naive: h @ W.T, log_softmax, gather, policy_loss"
@@ -31,7 +31,7 @@ LINEAR = "dapo_ops linear_policy_loss"
 LINEAR_FN = "linear_policy_loss"  # being written; the row says so until it lands
 LIGER = "Liger LigerFusedLinearGRPOLoss"
 #: logits elements per chunk of linear_policy_loss's default (chunk_size=None), if the
-#: library's own figure (dapo_ops._fused_linear) cannot be read
+#: library's own figure (dapo_ops.logprobs._fused_linear) cannot be read
 CHUNK_ELEMENTS = {"cpu": 2**25, "other": 2**27}
 SCRATCH = 8 * 2**20  # the entropies' scratch buffer (docs/linear_loss.md)
 LIGER_OPTIONS: dict[str, Any] = {
@@ -112,6 +112,13 @@ def _verl(h: torch.Tensor, w: torch.Tensor, x: dict[str, Any]) -> torch.Tensor:
     return _loss(logp, x)
 
 
+def no_triton() -> str | None:
+    """Why the Triton kernels' row cannot run here (they need a CUDA device), or None."""
+    if not installed("triton"):
+        return "triton is not installed (it ships with CUDA builds of torch)"
+    return None if torch.cuda.is_available() else "backend='triton' runs on CUDA devices only"
+
+
 def impls(quick: bool) -> list[Impl]:
     liger, verl = installed("liger_kernel"), installed("verl")
     no_liger = (
@@ -141,6 +148,16 @@ def impls(quick: bool) -> list[Impl]:
                 )
             ),
             missing=no_linear,
+        ),
+        Impl(
+            f"{LINEAR}, backend='triton'",
+            "ours",
+            _step(
+                lambda h, w, x: d.linear_policy_loss(
+                    h, w, x["tokens"], x["old"], x["adv"], x["mask"], backend="triton"
+                )
+            ),
+            missing=no_triton(),
         ),
         Impl(f"{tag_liger}, eager", "ref", _step(_liger(False)), missing=no_liger),
     ]
@@ -185,7 +202,7 @@ def memory_budget(n: int, dim: int, v: int, dtype: torch.dtype, device: str) -> 
     plus their bfloat16 copies for bfloat16 inputs) + one default chunk's temporaries (its
     float32 logits and their gradient, a bfloat16 copy for bfloat16 inputs) + the scratch."""
     try:
-        from dapo_ops._fused_linear import DEFAULT_FUSED_CHUNK_ELEMENTS as elements
+        from dapo_ops.logprobs._fused_linear import DEFAULT_FUSED_CHUNK_ELEMENTS as elements
     except ImportError:
         elements = CHUNK_ELEMENTS
     per = 4 + (2 if dtype == torch.bfloat16 else 0)

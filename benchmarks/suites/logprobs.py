@@ -19,8 +19,9 @@ from collections.abc import Callable
 import torch
 
 import dapo_ops as d
-from benchmarks.harness import Case, Fn, Impl, Result, Suite
-from benchmarks.targets import Target, because, compare
+from benchmarks.harness import Case, Fn, Impl, Result, Suite, Target
+from benchmarks.suites.linear import no_triton
+from benchmarks.targets import because, compare
 
 Pair = tuple[torch.Tensor, torch.Tensor]
 NAIVE, NAIVE_HIDDEN, FUSED = "naive", "naive_hidden: h @ W.T, then naive", "fused_logprobs_entropy"
@@ -122,6 +123,15 @@ def _impls(hidden: bool, backward: bool) -> list[Impl]:
                 FUSED,
                 "ours",
                 _from_hidden(lambda h, w, t: _pair(d.fused_logprobs_entropy(h, w, t)), backward),
+            ),
+            Impl(
+                f"{FUSED}, backend='triton'",
+                "ours",
+                _from_hidden(
+                    lambda h, w, t: _pair(d.fused_logprobs_entropy(h, w, t, backend="triton")),
+                    backward,
+                ),
+                missing=no_triton(),
             ),
         ]
     impls = [

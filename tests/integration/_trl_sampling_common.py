@@ -74,7 +74,7 @@ def make_trainer(
     )
 
 
-_TRAINER_OPTIONS = ("dynamic_sampling", "max_generation_batches", "sampling_metric")
+_TRAINER_OPTIONS = ("dynamic_sampling", "max_generation_batches", "sampling_metric", "empty_batch")
 
 
 def recording(cls: Any) -> Any:

@@ -228,7 +228,7 @@ def test_with_no_group_kept_the_batch_is_masked_not_empty(tmp_path: Path) -> Non
     assert int(out["num_items_in_batch"]) == 0
     assert logged(trainer, "loss") == [0.0]
     assert logged(trainer, "dynamic_sampling/partial_batch") == [1.0]
-    assert logged(trainer, "dynamic_sampling/samples_per_kept_sample") == [None]  # NaN: skipped
+    assert logged(trainer, "dynamic_sampling/samples_per_kept_sample") == [None]  # NaN: None
     assert all(torch.equal(b, p) for b, p in zip(before, trainer.model.parameters(), strict=True))
 
 

@@ -246,14 +246,17 @@ def test_group_advantages_equal_verl_grpo(norm_by_std: bool) -> None:
 
 
 def test_zero_variance_group_is_exactly_zero_where_verl_amplifies_rounding() -> None:
-    """The one documented difference: a spread of float rounding gives 0, not noise."""
+    """group_advantages' documented difference: a spread of float rounding gives 0, not
+    noise; the twin ``dapo_ops_grpo`` is verl's formula and gives verl's noise."""
     scores = torch.tensor([0.1, 0.1, 0.1 + 3e-8, 1.0, 0.0])
     uids = np.array(["a", "a", "a", "b", "b"], dtype=object)
     token_rewards, mask = scores[:, None].clone(), torch.ones(5, 1)
     verl_adv, _ = core_algos.compute_grpo_outcome_advantage(token_rewards.clone(), mask, uids)
-    ours, _ = integration.compute_grpo_outcome_advantage(token_rewards, mask, uids)
-    assert ours[:3].abs().max() == 0.0
-    torch.testing.assert_close(ours[3:], verl_adv[3:])
+    ours = group_advantages(scores, torch.tensor([0, 0, 0, 1, 1]), eps=1e-6, singleton="score")
+    assert ours[:3].abs().max() == 0.0 < verl_adv[:3].abs().max()
+    torch.testing.assert_close(ours[3:], verl_adv[3:, 0])
+    twin, _ = integration.compute_grpo_outcome_advantage(token_rewards, mask, uids)
+    torch.testing.assert_close(twin, verl_adv)
 
 
 def test_external_modules_env_registers_in_a_fresh_verl_process() -> None:

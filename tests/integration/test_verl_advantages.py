@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from test_verl_estimators import algo, batch
@@ -103,3 +104,18 @@ def test_outcome_estimators_need_the_uid_array() -> None:
         fn = core_algos.get_adv_estimator_fn(f"dapo_ops_{name}")
         with pytest.raises(InputError, match="index"):
             fn(token_level_rewards=b["outcome"], response_mask=b["mask"], config=algo())
+
+
+@pytest.mark.parametrize("name", ["grpo", "grpo_vectorized"])
+@pytest.mark.parametrize("norm", [True, False])
+def test_one_sample_groups_equal_verl_to_the_bit(name: str, norm: bool) -> None:
+    """verl gives a lone sample mean 0 and std ``torch.tensor(1.0)`` (float32): its advantage
+    is ``score / float32(1 + epsilon)``, a float32 denominator even for float64 scores."""
+    scores = torch.tensor([0.3, -1.7, 2.5, 1e3, 0.0], dtype=torch.float64)
+    uids = np.array(["a", "b", "c", "d", "e"], dtype=object)
+    rewards, mask = scores[:, None].clone(), torch.ones(5, 1, dtype=torch.float64)
+    fn = core_algos.get_adv_estimator_fn(name)
+    want, _ = fn(rewards.clone(), mask, uids, norm_adv_by_std_in_grpo=norm)
+    got, _ = ESTIMATORS[name](rewards, mask, uids, norm_adv_by_std_in_grpo=norm)
+    assert got.dtype == torch.float64
+    assert torch.equal(got, want)

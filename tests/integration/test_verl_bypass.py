@@ -1,14 +1,18 @@
 """verl 0.9.1's ``bypass_mode`` against ``dapo_ops_bypass_mode``, float64.
 
 ``old_log_prob`` is the rollout's log-prob; the IS weights and the rejection mask come
-from ``policy_loss.rollout_correction``. Loss, gradient and the metrics both report must
-agree (verl's ``+1e-8`` in masked-mean denominators: 1e-8 relative), for both loss types,
-token and sequence IS, two-sided thresholds, batch normalisation, and several rejection
-criteria at once.
+from ``policy_loss.rollout_correction``. Loss and gradient must agree, and the metric dicts
+must have the same keys and values: the IS weights' and rejection statistics to float64
+rounding, the off-policy gap (from :func:`dapo_ops.offpolicy_metrics`, which divides by
+counts where verl divides by count ``+1e-8``, then exponentiates: a log-perplexity of 22
+moves by 2e-7 relative) to 1e-6 relative; for
+both loss types, token and sequence IS, two-sided thresholds, batch normalisation, and
+several rejection criteria at once, on a batch with an empty row and ratios of e^+-20.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -57,6 +61,13 @@ CORRECTIONS = [
         "rollout_rs_threshold": "0.3_2.0,0.5",
     },
     {"loss_type": "reinforce"},  # plain REINFORCE, no weights, no rejection
+    {
+        "loss_type": "ppo_clip",
+        "rollout_is": "sequence",
+        "rollout_is_batch_normalize": True,
+        "rollout_rs": "token_k1,seq_mean_k1,seq_max_k3",
+        "rollout_rs_threshold": "3.0",  # k1: lower bound 1/3
+    },
 ]
 
 
@@ -101,10 +112,11 @@ def test_bypass_mode_equals_verl(correction: int, agg: str) -> None:
             l_o, g_o, m_o = run(ours, b, agg, cfg)
             torch.testing.assert_close(l_o, l_v, rtol=1e-7, atol=1e-10)
             torch.testing.assert_close(g_o, g_v, rtol=1e-7, atol=1e-12)
-            assert m_o, "no metric"
-            for key, value in m_o.items():  # every metric we report, verl reports too
-                assert key in m_v, key
-                assert value == pytest.approx(m_v[key], rel=1e-6, abs=1e-9), key
+            assert sorted(m_o) == sorted(m_v)
+            for key, value in m_v.items():
+                exact = key.startswith(("rollout_corr/rollout_is_", "rollout_corr/rollout_rs_"))
+                rel = 1e-12 if exact else 1e-6  # exp(log-ppl ~ 22 * (1 + 1e-8)): 2e-7
+                assert m_o[key] == pytest.approx(value, rel=rel, abs=rel), key
 
 
 def test_rejection_criteria_follow_verls_parsing() -> None:
@@ -133,3 +145,20 @@ def test_bypass_mode_needs_its_config() -> None:
         run(ours, b, "token-mean", {"policy_loss": {"loss_mode": "bypass_mode"}})
     with pytest.raises(InputError, match="loss_type"):
         run(ours, b, "token-mean", config({"loss_type": "ppo"}))
+
+
+def test_all_masked_batch_gives_zero_and_finite_metrics() -> None:
+    """verl raises on an all-masked micro-batch; the twin gives a loss of 0 and the same
+    metric keys as on any batch, all finite, whatever the masked positions hold."""
+    integration.register()
+    ours = core_algos.get_policy_loss_fn("dapo_ops_bypass_mode")
+    for correction in CORRECTIONS:
+        cfg = config(correction)
+        b = batch(0)
+        keys = set(run(ours, b, "token-mean", cfg)[2])
+        b["mask"] = torch.zeros_like(b["mask"])
+        b["roll"] = torch.full_like(b["roll"], float("nan"))
+        loss, grad, metrics = run(ours, b, "token-mean", cfg)
+        assert float(loss) == 0.0 and not grad.any()
+        assert set(metrics) == keys
+        assert all(math.isfinite(v) for v in metrics.values()), metrics

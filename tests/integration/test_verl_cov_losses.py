@@ -126,7 +126,7 @@ def _selected_by_verl_clip_cov(b: dict[str, Any], cfg: Any, seed: int) -> torch.
 def test_clip_cov_selection_is_verls_draw() -> None:
     """``clip_cov_candidates`` + ``verl_draw`` select what verl's randperm selects: the
     same count, and ours zeroes exactly the gradients verl zeroes beyond its clip."""
-    from dapo_ops.cov_masks import clip_cov_candidates
+    from dapo_ops.correction.cov_masks import clip_cov_candidates
 
     cfg = actor_config(policy_loss={"clip_cov_ratio": 0.02})
     for seed in range(5):

@@ -46,8 +46,8 @@ from dapo_ops.demo.ablation import (
     run_jobs,
 )
 from dapo_ops.demo.cli import Command, main, parse_args, train_all, write_outputs
-from dapo_ops.demo.model import Rollout, TinyPolicy, answer_logp, base_model, generate
-from dapo_ops.demo.task import Task
+from dapo_ops.demo.model import TinyPolicy, answer_logp, base_model, generate
+from dapo_ops.demo.task import Rollout, Task
 from dapo_ops.demo.trainer import (
     DemoConfig,
     Evaluation,

@@ -21,6 +21,7 @@ from dapo_ops.demo.ablation import (
     ablation_rows,
     run_jobs,
 )
+from dapo_ops.demo.expected import SEED0_FINAL_ACCURACY
 from dapo_ops.demo.progress import Progress
 from dapo_ops.demo.report import (
     CURVE_COLUMNS,
@@ -151,16 +152,50 @@ def parse_args(argv: Sequence[str] | None = None) -> Command:
     )
 
 
+def announce(cmd: Command) -> str:
+    """What the command is about to do, printed before the first step (the bar sits at 0 %
+    while the worker processes start: each imports torch and builds the base model)."""
+    rows = ", ".join(dict.fromkeys(row.label for row in cmd.rows))
+    seeds = (
+        f"seed {cmd.seeds[0]}" if len(cmd.seeds) == 1 else f"seeds {cmd.seeds[0]}-{cmd.seeds[-1]}"
+    )
+    workers = min(cmd.workers, len(cmd.jobs))
+    return (
+        f"Training {len(cmd.jobs)} run(s) ({rows}; {seeds}), {cmd.config.sample_budget:,} "
+        f"generated answers each, in {workers} worker process(es).\n"
+        "Before the first step each worker imports torch and fits the base model by supervised "
+        "learning, so the bar stays at 0 % for a few seconds."
+    )
+
+
+def expectation(cmd: Command) -> str | None:
+    """For the default comparison: the published seed-0 results to compare with, else None."""
+    default = Command()
+    if (cmd.rows, cmd.seeds, cmd.config) != (default.rows, default.seeds, default.config):
+        return None
+    acc = SEED0_FINAL_ACCURACY
+    return (
+        f"Expected: DAPO above GRPO. The published run of this command gave final accuracy "
+        f"{acc['dapo']:.2f} (DAPO) and {acc['grpo']:.2f} (GRPO); the same bits here unless "
+        "this machine's torch kernels round differently. One seed; the mean over 5 seeds: "
+        "python -m dapo_ops.demo --ablation --seeds 5 (50 runs)."
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     cmd = parse_args(argv)
     start = time.perf_counter()
     if cmd.render_only:
         written = docs.render_outputs(cmd.out, cmd.plot)
     else:
+        print(announce(cmd), flush=True)
         written = write_outputs(cmd, train_all(cmd))
     if cmd.update_docs:
         written += docs.update_docs(cmd.out)
     print(docs.summary(cmd.out))
+    note = None if cmd.render_only else expectation(cmd)
+    if note:
+        print(note)
     print(f"wrote {', '.join(map(str, written))} in {time.perf_counter() - start:.0f} s")
     return 0
 

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from dapo_ops.demo.task import Task
+from dapo_ops.demo.task import Rollout, Task
 
 
 class TinyPolicy(nn.Module):
@@ -79,32 +76,6 @@ def base_model(task: Task, hidden: int, steps: int, seed: int) -> dict[str, Tens
         loss.backward()  # type: ignore[no-untyped-call]
         optimizer.step()
     return {k: v.detach().clone() for k, v in policy.state_dict().items()}
-
-
-@dataclass(frozen=True)
-class Rollout:
-    """``G`` answers to each of ``groups`` prompts, flattened group-major to ``groups * G``."""
-
-    targets: Tensor  # [n] the prompt of each answer
-    tokens: Tensor  # [n, max_len] answer tokens (EOS repeated after the end)
-    mask: Tensor  # [n, max_len] bool: answer tokens, EOS included
-    old_logp: Tensor  # [n, max_len] log-prob of each token under the sampling policy
-    finished: Tensor  # [n] bool: emitted EOS within the cap (else truncated)
-    entropy: Tensor  # [n, max_len] entropy of the sampling distribution at each token
-
-    @property
-    def lengths(self) -> Tensor:
-        return self.mask.sum(dim=-1)
-
-    def fields(self) -> tuple[Tensor, ...]:
-        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
-
-    def __getitem__(self, rows: Tensor) -> Rollout:
-        return Rollout(*(field[rows] for field in self.fields()))
-
-    @staticmethod
-    def cat(parts: Sequence[Rollout]) -> Rollout:
-        return Rollout(*(torch.cat(f) for f in zip(*(p.fields() for p in parts), strict=True)))
 
 
 @torch.no_grad()

@@ -188,12 +188,16 @@ def render_table(
         cells = [cell([r[m.key] for r in mine], m) for m in metrics]
         lines.append("| " + " | ".join([label, *cells]) + " |")
     n = len(seeds)
+    body = "\n".join(lines)
     lines.append("")
     if n == 1:
-        lines.append(f"Seed {seeds[0]}; *never*: the target accuracy was not reached.")
+        never = "; *never*: the target accuracy was not reached" if "| never" in body else ""
+        lines.append(f"Seed {seeds[0]}{never}.")
     else:
-        lines.append(
-            f"Mean ± std over {n} seeds ({seeds[0]}-{seeds[-1]}); *(k/{n})*: only k seeds "
-            "reached the target accuracy (mean and std over those)."
-        )
+        partial = f" ({seeds[0]}-{seeds[-1]})"
+        if f"/{n})" in body:
+            partial += (
+                f"; *(k/{n})*: only k seeds reached the target accuracy (mean and std over those)"
+            )
+        lines.append(f"Mean ± std over {n} seeds{partial}.")
     return "\n".join(lines) + "\n"

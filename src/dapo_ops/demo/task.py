@@ -1,15 +1,14 @@
-"""The toy task of the demo: a digit-sum prompt, a verifier, and the base model's style."""
+"""The toy task of the demo: a digit-sum prompt, a verifier, the base model's style and
+the rollouts it scores."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
-
-if TYPE_CHECKING:
-    from dapo_ops.demo.model import Rollout
 
 
 @dataclass(frozen=True)
@@ -122,3 +121,29 @@ class Task:
             remaining = torch.where(done, remaining, (remaining - digit).clamp(min=0))
             previous = out[:, t]
         return out
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """``G`` answers to each of ``groups`` prompts, flattened group-major to ``groups * G``."""
+
+    targets: Tensor  # [n] the prompt of each answer
+    tokens: Tensor  # [n, max_len] answer tokens (EOS repeated after the end)
+    mask: Tensor  # [n, max_len] bool: answer tokens, EOS included
+    old_logp: Tensor  # [n, max_len] log-prob of each token under the sampling policy
+    finished: Tensor  # [n] bool: emitted EOS within the cap (else truncated)
+    entropy: Tensor  # [n, max_len] entropy of the sampling distribution at each token
+
+    @property
+    def lengths(self) -> Tensor:
+        return self.mask.sum(dim=-1)
+
+    def fields(self) -> tuple[Tensor, ...]:
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+
+    def __getitem__(self, rows: Tensor) -> Rollout:
+        return Rollout(*(field[rows] for field in self.fields()))
+
+    @staticmethod
+    def cat(parts: Sequence[Rollout]) -> Rollout:
+        return Rollout(*(torch.cat(f) for f in zip(*(p.fields() for p in parts), strict=True)))

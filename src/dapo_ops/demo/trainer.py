@@ -20,8 +20,8 @@ from dapo_ops import (
     policy_loss_with_diagnostics,
     prompts_to_generate,
 )
-from dapo_ops.demo.model import Rollout, TinyPolicy, answer_logp, base_model, generate
-from dapo_ops.demo.task import Task
+from dapo_ops.demo.model import TinyPolicy, answer_logp, base_model, generate
+from dapo_ops.demo.task import Rollout, Task
 
 
 @dataclass(frozen=True)

@@ -3,18 +3,14 @@ correction (``is_correction_*``) as weights, and the KL estimate of its KL loss.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from dapo_ops._rules import LOG_RATIO_CLAMP, masked
-from dapo_ops._validate import check_option
-from dapo_ops.kl import kl_penalty
-
-if TYPE_CHECKING:
-    from dapo_ops.integrations.openrlhf import PolicyLossOptions
+from dapo_ops._core._rules import LOG_RATIO_CLAMP, masked
+from dapo_ops._core._validate import check_option
+from dapo_ops.engine.kl import kl_penalty
+from dapo_ops.integrations._openrlhf_options import PolicyLossOptions
 
 #: OpenRLHF clamps both policies' probabilities to [1e-6, 1 - 1e-6] for its divergences.
 _PROB_CLAMP = 1e-6
@@ -53,7 +49,7 @@ def correction_weights(
     (the valid tokens, or every row).
 
     Example:
-        >>> from dapo_ops.integrations.openrlhf import PolicyLossOptions
+        >>> from dapo_ops.integrations._openrlhf_options import PolicyLossOptions
         >>> opts = PolicyLossOptions(is_correction_level="token", is_correction_threshold=(0.5, 2.0))
         >>> old = torch.log(torch.tensor([[0.5, 0.9]]))
         >>> roll = torch.log(torch.tensor([[0.1, 0.8]]))

@@ -21,7 +21,7 @@ class Row(NamedTuple):
 #: Where a dapo_ops name may live (the trainer class is built on first access: not imported).
 _MODULES = ("dapo_ops", *(f"dapo_ops.integrations.{m}" for m in (
     "trl", "trl_sampling", "openrlhf", "verl", "verl_losses", "verl_composed", "verl_sampling",
-    "verl_estimators", "verl_advantages")))  # fmt: skip
+    "verl_estimators", "verl_advantages", "verl_distill", "verl_value")))  # fmt: skip
 _LAZY = {"DapoGRPOTrainer"}
 
 
@@ -44,6 +44,9 @@ def resolve(text: str) -> str:
 
 
 _OBJ, _AGG, _KL, _ADV = "objective", "aggregation", "KL estimator", "advantage estimator"
+_DIST = "distillation term"
+_VS_VERL = ("compared with verl's compute_distillation_loss_reverse_kl_estimator and "
+            "distillation_ppo_loss (float64, value and gradient)")  # fmt: skip
 _RC, _SEL, _REG, _OPT, _FILTER = (
     "rollout correction", "token selection", "regulariser", "option", "batch filter")  # fmt: skip
 _CLIPPED = tuple(f"loss_type={t}" for t in ("dapo", "bnpo", "grpo", "dr_grpo", "luspo"))
@@ -68,9 +71,17 @@ ROWS: list[Row] = [
         "vLLM's ratio folded into the weight as TRL (at the valid tokens: TRL's is 1 at padding)"),
     Row(_OBJ, "DPPO, total-variation trust region", 'DPPO(divergence="tv")', (), ("dppo_tv",)),
     Row(_OBJ, "DPPO, KL trust region", 'DPPO(divergence="kl")', (), ("dppo_kl",)),
-    Row(_OBJ, "GMPO: geometric-mean ratio", "GMPO", (), ("geo_mean",)),
+    Row(_OBJ, "GMPO: geometric-mean ratio", "GMPO", (), ("geo_mean",),
+        note="per-token advantages: the clip side by each token's sign, the row mean as weight; "
+        "verl's per-sequence geometric-mean IS weight in the twin"),
     Row(_OBJ, "DRO", "DRO", (), ("dro",)),
     Row(_OBJ, "policy gradient (GPG)", "PolicyGradient", (), ("gpg",)),
+    Row(_OBJ, "TOPR: Tapered Off-Policy REINFORCE (Le Roux et al. 2025)", "TOPR", (), (), (),
+        "ROLL's loss (postive_loss_coef, use_topr_neg_loss_coef); ROLL is not installable here: "
+        "compared with a float64 reference of its formula (tests/test_peer_formulas.py)"),
+    Row(_OBJ, "PPO clipped value (critic) loss", "value_loss; verl_value.compute_value_loss", (),
+        ("compute_value_loss", "critic.cliprange_value"), (), "every loss_agg_mode, float64 value "
+        "and gradient against verl's (tests/integration/test_verl_value.py)", verl_kind="option"),
     Row(_OBJ, "Clip-Cov (Cui et al. 2025)", "clip_cov_mask; RatioSurrogate", (), ("clip_cov",)),
     Row(_OBJ, "KL-Cov (Cui et al. 2025)", "kl_cov_mask; policy_loss(kl_weights=...)", (),
         ("kl_cov",)),
@@ -105,8 +116,44 @@ ROWS: list[Row] = [
         "KLPenalty(straight_through=True); openrlhf_kl", (), ("k1+", "k3+", "low_var_kl+"),
         ("unbiased_gradient=True",), "OpenRLHF weights the gradient by min(ratio to the old "
         "policy, 10)", verl_kind="option"),
+    Row(_KL, "KL in the reward, fixed or adaptive coefficient (Ziegler et al. 2019)",
+        "kl_reward; adaptive_kl_coef; verl_value.apply_kl_penalty", (),
+        ("apply_kl_penalty", "AdaptiveKLController", "FixedKLController"), (),
+        "algorithm.use_kl_in_reward; float64 against verl's, every kl_penalty",
+        verl_kind="option"),
     Row(_KL, "KL term times the (token or sequence) ratio", "trl_policy_loss", (
         "use_bias_correction_kl",)),
+    Row(_DIST, "reverse KL to a teacher, k1 (log-ratio): as the advantage",
+        'TeacherKL(estimator="k1"); distill_advantages', (), ("kl", "k1"),
+        note=f"{_VS_VERL}; as a loss term refused (its gradient ignores the teacher), as verl",
+        verl_kind="distill"),
+    Row(_DIST, "reverse KL to a teacher, k2 (half squared log-ratio)", 'TeacherKL(estimator="k2")',
+        (), ("mse", "k2"), note=_VS_VERL, verl_kind="distill"),
+    Row(_DIST, "reverse KL to a teacher, k3 (low variance)", 'TeacherKL(estimator="k3")', (),
+        ("low_var_kl", "k3"), note=f"{_VS_VERL}; verl's k3 value clamp +-10 is the default "
+        "clamp=10.0", verl_kind="distill"),
+    Row(_DIST, "reverse KL to a teacher, absolute log-ratio", 'TeacherKL(estimator="abs")', (),
+        ("abs",), note=_VS_VERL, verl_kind="distill"),
+    Row(_DIST, "forward KL over the teacher's top-k tokens", "", (), ("forward_kl_topk",),
+        note="needs the student's logits at the teacher's top-k ids; this API takes sampled "
+        "tokens' log-probs (issue 29, item 2)", verl_kind="distill"),
+    Row(_DIST, "teacher term as a supervised loss beside the policy loss",
+        "distill_loss; policy_loss(..., teacher_logp=t, distill=TeacherKL())", (),
+        ("use_policy_gradient=False",), note=f"{_VS_VERL}; exact across micro-batches with "
+        "global_normalizer", verl_kind="option"),
+    Row(_DIST, "teacher term as the advantage (policy gradient)", "distill_advantages", (),
+        ("use_policy_gradient=True",), note=_VS_VERL, verl_kind="option"),
+    Row(_DIST, "task rewards beside distillation, weighted", "TeacherKL(beta=c); "
+        "distill_advantages(..., task_advantages=A)", (), ("use_task_rewards",
+        "distillation_loss_coef"), note=f"{_VS_VERL}: verl's form, compared, is "
+        "policy_loss(A) + policy_loss(distill_advantages(...)); task_advantages=A sums the "
+        "advantages instead (equal while the ratio is 1)", verl_kind="option"),
+    Row(_DIST, "clamp of the per-token distillation loss", "TeacherKL(clamp=c)", (),
+        ("loss_max_clamp",), note=_VS_VERL, verl_kind="option"),
+    Row(_DIST, "floor on student and teacher log-probs", "TeacherKL(logp_min=m)", note="verl's "
+        "log_prob_min_clamp acts on its top-k loss only, so nothing here is compared with it"),
+    Row(_DIST, "several teachers, weighted", "TeacherKL(weights=w)", note="verl routes each "
+        "sample to one teacher (teacher_key): pass the routed log-probs as one [batch, seq]"),
     Row(_ADV, "GAE", "gae_advantages", (), ("gae",), verl_kind="estimator"),
     Row(_ADV, "GRPO group-normalised outcome", 'group_advantages(singleton="score"); '
         "trl_advantages", ('scale_rewards="group"', '"batch"', '"none"',
@@ -126,6 +173,10 @@ ROWS: list[Row] = [
         verl_kind="estimator"),
     Row(_ADV, "GPG: group baseline, rescaled", "gpg_advantages", (), ("gpg",),
         verl_kind="estimator"),
+    Row(_ADV, "MaxRL: group baseline over the group mean (Tajwar et al. 2026)",
+        "maxrl_advantages", (), (), (), "SkyRL's and prime-rl's maxrl; not installable here: "
+        "compared with a float64 reference of SkyRL's compute_maxrl_advantage "
+        "(tests/test_peer_formulas.py)"),
     Row(_ADV, "optimal token baseline", "optimal_token_baseline_advantages", (),
         ("optimal_token_baseline",), (), "verl's trainer passes sum_pi_squared to its own name "
         "only: verl_estimators.register_estimators(replace_verl=True)", verl_kind="estimator"),
@@ -152,7 +203,7 @@ ROWS: list[Row] = [
         ("compute_offpolicy_metrics",), verl_kind="option"),
     Row(_RC, "effective sample size of the IS weights", "offpolicy_metrics(is_weights=...)", (),
         ("rollout_is_eff_sample_size",), verl_kind="option"),
-    Row(_RC, "rollout log-probs as the old policy", "verl_bypass.bypass_loss", (),
+    Row(_RC, "rollout log-probs as the old policy", "verl_bypass.bypass_step", (),
         ("bypass_mode",)),
     Row(_RC, "vLLM importance-sampling ratio (computed by TRL)", "policy_loss(is_weights=...)",
         (_IS_TRL, 'vllm_importance_sampling_mode="token_truncate"', '"token_mask"',
@@ -183,6 +234,10 @@ ROWS: list[Row] = [
         "with a positive advantage may gain probability; refused as a mis-set option"),
     Row(_OPT, "cispo with epsilon_high <= 0", "", ("epsilon_high",), note="a cap <= 0 zeroes "
         "every weight, hence every gradient; refused"),
+    Row(_FILTER, "PF-PPO: resample towards extreme rewards (Shen et al. 2024)",
+        "pf_ppo_weights; pf_ppo_resample; verl_value.compute_pf_ppo_reweight_data", (),
+        ("compute_pf_ppo_reweight_data", "algorithm.use_pf_ppo"), (), "the same indices as "
+        "verl's under the same seed, every reweight_method", verl_kind="option"),
     Row(_FILTER, "drop groups with a constant metric, generate more (DAPO)",
         "verl_sampling.filter_groups; DapoGRPOTrainer(dynamic_sampling=True)", (),
         ("algorithm.filter_groups",), (), "TRL 1.16 has none: DapoGRPOTrainer adds it; verl "

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor
 
-from dapo_ops._validate import InputError
+from dapo_ops._core._validate import InputError
 
 # Per-row tensors TRL returns, padded on the left (prompt) or right (completion), and
 # the pad value of each ("pad": the tokenizer's pad id).
@@ -63,6 +63,25 @@ def trl_advantages(
         >>> trl_advantages(torch.tensor([[1.0], [0.0], [1.0], [1.0]]), torch.ones(1), 2)
         tensor([ 0.7070, -0.7070,  0.0000,  0.0000])
     """
+    return _advantages_and_std(
+        rewards_per_func,
+        reward_weights,
+        num_generations,
+        scale_rewards=scale_rewards,
+        multi_objective_aggregation=multi_objective_aggregation,
+    )[0]
+
+
+def _advantages_and_std(
+    rewards_per_func: Tensor,
+    reward_weights: Tensor,
+    num_generations: int,
+    *,
+    scale_rewards: str,
+    multi_objective_aggregation: str,
+) -> tuple[Tensor, Tensor]:
+    """:func:`trl_advantages` and the std each row's advantage is (with ``"none"``: would
+    be) divided by; TRL logs the share of rows where it is 0 as ``frac_reward_zero_std``."""
     g = num_generations
     unscorable = torch.isnan(rewards_per_func).all(dim=1)
     weights = reward_weights.to(rewards_per_func.device).unsqueeze(0)
@@ -105,7 +124,7 @@ def trl_advantages(
             "multi_objective_aggregation must be 'sum_then_normalize' or 'normalize_then_sum', "
             f"got {multi_objective_aggregation!r}"
         )
-    return torch.nan_to_num(advantages, nan=0.0)
+    return torch.nan_to_num(advantages, nan=0.0), std
 
 
 @dataclass(frozen=True)

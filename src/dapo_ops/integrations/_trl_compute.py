@@ -9,9 +9,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dapo_ops._engine import policy_tensors, token_inputs
-from dapo_ops._rules import LOG_RATIO_CLAMP, masked
-from dapo_ops.entropy import adaptive_entropy_coef, entropy_bonus
+from dapo_ops._core._inputs import policy_tensors
+from dapo_ops._core._rules import LOG_RATIO_CLAMP, masked
+from dapo_ops.correction.masks import high_entropy_mask, off_policy_sequence_mask
+from dapo_ops.engine.entropy import adaptive_entropy_coef, entropy_bonus
+from dapo_ops.engine.kl import kl_penalty
 from dapo_ops.integrations._trl_loss import (
     CLIPPED_TYPES,
     trl_objective,
@@ -19,9 +21,8 @@ from dapo_ops.integrations._trl_loss import (
     unsupported_settings,
 )
 from dapo_ops.integrations._trl_policy import sequence_log_ratio, trl_policy_loss, trl_terms
-from dapo_ops.kl import kl_penalty
-from dapo_ops.masks import high_entropy_mask, off_policy_sequence_mask
 from dapo_ops.objectives import VESPO
+from dapo_ops.objectives.base import token_inputs
 
 # Model-input keys TRL forwards to ``_get_per_token_logps_and_entropies`` (VLM fields).
 _FORWARD_KEYS = (

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dapo_ops._rules import AggregationMode
-from dapo_ops._validate import InputError
+from dapo_ops._core._rules import AggregationMode
+from dapo_ops._core._validate import InputError
 from dapo_ops.objectives import CISPO, SAPO, VESPO, ClipHigher, Objective, PolicyGradient
 
 #: TRL ``loss_type`` values reproduced here, and the dapo_ops aggregation of each.

@@ -9,15 +9,15 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from dapo_ops._checked import check_inputs, checked
-from dapo_ops._rules import LOG_RATIO_CLAMP, compute_dtype, masked
-from dapo_ops._validate import InputError
-from dapo_ops.aggregation import token_level_aggregate
-from dapo_ops.diagnostics import PolicyDiagnostics
+from dapo_ops._core._checked import check_inputs, checked
+from dapo_ops._core._rules import LOG_RATIO_CLAMP, compute_dtype, masked
+from dapo_ops._core._validate import InputError
+from dapo_ops.diagnostics.measures import PolicyDiagnostics
+from dapo_ops.engine.aggregation import token_level_aggregate
+from dapo_ops.engine.kl import KLPenalty, kl_penalty
+from dapo_ops.engine.policy import policy_loss_with_diagnostics
 from dapo_ops.integrations._trl_loss import TRL_LOSS_TYPES, trl_normalizer, trl_objective
-from dapo_ops.kl import KLPenalty, kl_penalty
 from dapo_ops.objectives import Objective, PolicyGradient
-from dapo_ops.policy import policy_loss_with_diagnostics
 
 #: TRL clamps VESPO's folded vLLM log-ratio to [log(1e-8), 20].
 _VESPO_LOG_IS = (math.log(1e-8), 20.0)

@@ -45,70 +45,26 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, NamedTuple
 
 import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from dapo_ops._checked import check_inputs, checked
-from dapo_ops._rules import LOG_RATIO_CLAMP, AggregationMode, compute_dtype, masked
-from dapo_ops._validate import InputError, check_option
-from dapo_ops.aggregation import safe_divide
+from dapo_ops._core._checked import check_inputs, checked
+from dapo_ops._core._rules import (
+    LOG_RATIO_CLAMP,
+    AggregationMode,
+    compute_dtype,
+    masked,
+    safe_divide,
+)
+from dapo_ops._core._validate import InputError
+from dapo_ops.engine.policy import policy_loss
+from dapo_ops.integrations._openrlhf_options import PolicyLossOptions
 from dapo_ops.integrations._openrlhf_terms import correction_weights, openrlhf_kl
 from dapo_ops.integrations._trl_policy import sequence_log_ratio
 from dapo_ops.objectives import ClipHigher
-from dapo_ops.policy import policy_loss
-
-
-@dataclasses.dataclass(frozen=True)
-class PolicyLossOptions:
-    """``openrlhf.models.loss.PolicyLoss``'s constructor options, with its defaults and checks."""
-
-    clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.2
-    dual_clip: float | None = None
-    token_level_loss: bool = True
-    policy_loss_type: str = "ppo"
-    is_correction_level: str = "off"
-    is_correction_mode: str = "mask"
-    is_correction_gating: str = "ratio"
-    is_correction_threshold: tuple[float, float] = (0.5, 5.0)
-
-    def __post_init__(self) -> None:
-        check_option("policy_loss_type", self.policy_loss_type, ("ppo", "gspo"))
-        check_option("is_correction_level", self.is_correction_level, ("off", "token", "seq"))
-        check_option("is_correction_mode", self.is_correction_mode, ("mask", "clip"))
-        check_option(
-            "is_correction_gating", self.is_correction_gating, ("ratio", "binary_kl", "tv")
-        )
-        low, high = self.is_correction_threshold
-        object.__setattr__(self, "is_correction_threshold", (float(low), float(high)))
-        if self.is_correction_mode == "clip" and (
-            self.is_correction_level == "seq" or self.is_correction_gating != "ratio"
-        ):
-            raise InputError(
-                "is_correction_mode='clip' needs is_correction_level='token' and "
-                "is_correction_gating='ratio' (only a token ratio is a weight to clamp)"
-            )
-        if self.is_correction_gating != "ratio" and self.is_correction_level != "off" and low > 0:
-            raise InputError(
-                f"is_correction_gating={self.is_correction_gating!r} bounds the divergence from "
-                f"above only: is_correction_threshold[0] must be <= 0, got {low}"
-            )
-        self.objective()  # validates the clip options (dual_clip > 1, eps ranges)
-
-    @property
-    def sequence_mean(self) -> bool:
-        """Whether the loss is the per-sequence mean (``gspo`` forces it, as OpenRLHF)."""
-        return self.policy_loss_type == "gspo" or not self.token_level_loss
-
-    def objective(self) -> ClipHigher:
-        """:class:`~dapo_ops.ClipHigher` with these clip options (``dual_clip`` included)."""
-        return ClipHigher(
-            eps_low=self.clip_eps_low, eps_high=self.clip_eps_high, dual_clip=self.dual_clip
-        )
 
 
 class OpenRLHFLoss(NamedTuple):

@@ -24,6 +24,7 @@ from dapo_ops.integrations._peer_rows import ROWS, Row, resolve
 from dapo_ops.integrations.openrlhf import PolicyLossOptions
 from dapo_ops.integrations.trl import TRL_LOSS_TYPES
 from dapo_ops.integrations.verl_advantages import ESTIMATORS as VERL_ESTIMATORS
+from dapo_ops.integrations.verl_distill import ESTIMATORS as VERL_DISTILL
 from dapo_ops.integrations.verl_estimators import ESTIMATOR_NAMES
 from dapo_ops.integrations.verl_losses import VERL_LOSS_MODES
 
@@ -62,7 +63,9 @@ def _verl(items: tuple[str, ...], kind: str) -> str:
             out.append(f"`{x}` → `dapo_ops_{x}`")
         elif kind == "estimator" and (x in VERL_ESTIMATORS or x in ESTIMATOR_NAMES):
             out.append(f"`{x}` → `{ESTIMATOR_NAMES.get(x, f'dapo_ops_{x}')}`")
-        elif kind in ("loss", "estimator"):
+        elif kind == "distill" and x in VERL_DISTILL:
+            out.append(f"`{x}` → `dapo_ops_{x}`")
+        elif kind in ("loss", "estimator", "distill"):
             out.append(f"`{x}` (no adapter)")
         else:
             out.append(f"`{x}`")

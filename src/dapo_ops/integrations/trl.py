@@ -27,10 +27,8 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from dapo_ops.integrations._trl_compute import check_supported, dapo_compute_loss
@@ -42,41 +40,8 @@ from dapo_ops.integrations._trl_loss import (
     unsupported_settings,
 )
 from dapo_ops.integrations._trl_policy import trl_policy_loss
+from dapo_ops.integrations._trl_rewards import OverlongReward
 from dapo_ops.integrations.trl_sampling import DynamicSampling, SamplingReport
-from dapo_ops.rewards import overlong_reward
-
-
-class OverlongReward:
-    """DAPO's soft overlong punishment as a TRL reward function (``reward_funcs=[...]``).
-
-    Calls :func:`dapo_ops.overlong_reward` on ``len(ids)`` of each completion (TRL's
-    completion ids end with the EOS token when there is one, so the EOS counts, as in
-    dapo_ops). Equal to ``trl.rewards.get_soft_overlong_punishment(max_len, cache_len)``
-    for ``factor=1``; ``factor`` scales the penalty (verl's ``penalty_factor``). A plain
-    class, so it pickles for TRL's async reward workers.
-    """
-
-    __name__ = "overlong_reward"
-
-    def __init__(self, max_len: int, cache_len: int, factor: float = 1.0) -> None:
-        # Validate the options now rather than at the first reward call.
-        overlong_reward(torch.zeros(0), max_len=max_len, cache_len=cache_len, factor=factor)
-        self.max_len = max_len
-        self.cache_len = cache_len
-        self.factor = factor
-
-    def __call__(self, completion_ids: Sequence[Sequence[int]], **kwargs: Any) -> list[float]:
-        lengths = torch.tensor([len(ids) for ids in completion_ids], dtype=torch.long)
-        penalty = overlong_reward(
-            lengths, max_len=self.max_len, cache_len=self.cache_len, factor=self.factor
-        )
-        return [float(x) for x in penalty.tolist()]
-
-    def __repr__(self) -> str:
-        return (
-            f"OverlongReward(max_len={self.max_len}, cache_len={self.cache_len}, "
-            f"factor={self.factor})"
-        )
 
 
 def _build_trainer_class() -> type:
@@ -107,9 +72,12 @@ def _build_trainer_class() -> type:
           what was kept (the rest masked out, ``dynamic_sampling/partial_batch`` logged).
         - ``sampling_metric`` (default ``"accuracy"``): the reward function whose raw
           output decides, by its name in ``reward_func_names`` (``"accuracy"`` also finds
-          TRL's ``accuracy_reward``).
+          TRL's ``accuracy_reward``). Naming the overlong reward warns.
+        - ``empty_batch`` (``"skip"``, the default, or ``"raise"``): when no group is kept,
+          skip the optimiser steps without a loss token (no weight, optimiser or
+          learning-rate change; a warning) or raise ``ValueError``.
 
-        Either option given with ``dynamic_sampling=False`` raises ``InputError``.
+        Any of these options given with ``dynamic_sampling=False`` raises ``InputError``.
         ``last_dynamic_sampling`` holds the :class:`~dapo_ops.integrations.trl_sampling.SamplingReport`
         of the last generation.
 
@@ -133,14 +101,17 @@ def _build_trainer_class() -> type:
             dynamic_sampling: bool = False,
             max_generation_batches: int | None = None,
             sampling_metric: str | None = None,
+            empty_batch: str | None = None,
             **kwargs: Any,
         ) -> None:
             sampling = DynamicSampling.from_options(
-                dynamic_sampling, max_generation_batches, sampling_metric
+                dynamic_sampling, max_generation_batches, sampling_metric, empty_batch
             )
             super().__init__(*args, **kwargs)
             check_supported(self)
             self._dapo_sampling = None if sampling is None else sampling.bind(self)
+            if sampling is not None and sampling.empty_batch == "skip":
+                self.add_callback(sampling.guard.callback())
             self._dapo_rewards: Tensor | None = None
             self.last_dynamic_sampling: SamplingReport | None = None
 
@@ -154,6 +125,25 @@ def _build_trainer_class() -> type:
                 return super()._generate_and_score_completions(inputs)  # type: ignore[no-any-return]
             score = super()._generate_and_score_completions
             return self._dapo_sampling.generate(self, inputs, score)  # type: ignore[union-attr]
+
+        def _prepare_inputs(self, generation_batch: Any) -> Any:
+            inputs = super()._prepare_inputs(generation_batch)
+            if self._skips_empty_steps() and self.model.training:
+                self._dapo_sampling.guard.count(inputs)  # type: ignore[union-attr]
+            return inputs
+
+        def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Tensor:
+            if not self._skips_empty_steps():
+                return super().training_step(model, inputs, num_items_in_batch)  # type: ignore[no-any-return]
+            guard = self._dapo_sampling.guard  # type: ignore[union-attr]
+            guard.begin(self)
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            guard.end(self, self.last_dynamic_sampling)
+            return loss  # type: ignore[no-any-return]
+
+        def _skips_empty_steps(self) -> bool:
+            sampling = getattr(self, "_dapo_sampling", None)
+            return sampling is not None and sampling.empty_batch == "skip"
 
         def compute_loss(
             self,

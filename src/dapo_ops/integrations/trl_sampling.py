@@ -26,16 +26,32 @@ One training generation of :class:`~dapo_ops.integrations.trl.DapoGRPOTrainer` w
    and advantage 0, so they add no token, no count and no gradient (with the
    ``grpo``/``dr_grpo``/``sapo``/``luspo`` loss types, which divide by rows, they still
    count as rows). ``dynamic_sampling/partial_batch`` is logged as 1 and a warning is
-   logged. With no group kept at all the batch is only such rows: loss 0, never an empty
-   batch (verl's recipe raises instead).
+   logged.
+6. **No group kept** (``empty_batch``): the batch is only such rows, never an empty
+   batch. ``"skip"`` (the default): every optimiser step with no loss token on any
+   process is not taken: weights, optimiser state (Adam's moments and step count), the
+   learning-rate schedule and TRL's adaptive entropy controller are left as they were,
+   the step still counts towards ``max_steps``, and a warning names the kept fraction
+   (:mod:`~dapo_ops.integrations._trl_skip`). ``"raise"``: ``ValueError`` at the
+   generation, as verl's recipe raises at its cap.
 
 Metrics (through TRL's logger, once per generation): ``dynamic_sampling/kept_group_fraction``
 (kept groups / generated groups, over every round), ``dynamic_sampling/generation_batches``
 (rounds used), ``dynamic_sampling/samples_per_kept_sample`` (generated samples / kept
-samples trained on; NaN, which TRL's logger skips, when none was kept),
-``dynamic_sampling/batch_fill`` (kept groups in the batch / ``target``),
-``dynamic_sampling/partial_batch``. TRL's own reward and completion metrics are logged
-for every round.
+samples trained on; NaN when none was kept, which TRL's ``log`` drops: ``None`` in the
+logs when no other value is in the logging window), ``dynamic_sampling/batch_fill``
+(kept groups in the batch / ``target``), ``dynamic_sampling/partial_batch``; once per
+optimiser step with ``"skip"``, ``dynamic_sampling/skipped_step`` (1 when skipped).
+TRL's reward figures (``reward``, ``reward_std``, ``frac_reward_zero_std``,
+``rewards/<name>/mean``, ``rewards/<name>/std``) are those of the kept batch; its other
+generation figures (``completions/*``, ...) cover every generated sample, each round
+weighted by its sample count (:mod:`~dapo_ops.integrations._trl_metrics`). The
+completions table (``log_completions``) lists every generated sample with the advantage
+TRL gave it in its round.
+
+``sampling_metric`` naming a shaping reward (an :class:`~dapo_ops.integrations.trl.OverlongReward`
+or a reward function named like ``*overlong*``) warns (``UserWarning``): its spread comes
+from the lengths and keeps all-right and all-wrong groups.
 
 Limits: a map-style ``train_dataset`` (an ``IterableDataset`` is refused); text inputs
 (multimodal keys raise); the metric must be defined for every completion (a reward
@@ -49,15 +65,18 @@ checkpoints: a resumed run draws its extra prompts afresh.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from dapo_ops._validate import InputError, check_bool, check_int
+from dapo_ops._core._validate import InputError, check_bool, check_int
 from dapo_ops.integrations._trl_batch import (
     SamplingReport,
     assemble,
@@ -65,12 +84,17 @@ from dapo_ops.integrations._trl_batch import (
     token_count,
     trl_advantages,
 )
-from dapo_ops.sampling import dynamic_sample_mask, prompts_to_generate
+from dapo_ops.integrations._trl_metrics import RoundLog, log_generation
+from dapo_ops.integrations._trl_rewards import OverlongReward
+from dapo_ops.integrations._trl_skip import EmptyStepGuard
+from dapo_ops.rewards.sampling import dynamic_sample_mask, prompts_to_generate
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)  # its warnings: _trl_metrics, _trl_skip
 
 #: default ``max_generation_batches`` (the generation batch included), as DAPO's verl scripts
 DEFAULT_MAX_GENERATION_BATCHES = 10
+#: the values of ``empty_batch``: what a generation that keeps no group does
+EMPTY_BATCH_CHOICES = ("skip", "raise")
 
 
 @dataclass
@@ -79,14 +103,19 @@ class DynamicSampling:
 
     max_generation_batches: int
     sampling_metric: str
+    empty_batch: str = "skip"
     column: int = -1
+    guard: EmptyStepGuard = field(default_factory=EmptyStepGuard)
     _order: list[int] = field(default_factory=list)
     _generator: torch.Generator | None = None
     _dataset: Any = None
 
     @staticmethod
     def from_options(
-        dynamic_sampling: object, max_generation_batches: object, sampling_metric: object
+        dynamic_sampling: object,
+        max_generation_batches: object,
+        sampling_metric: object,
+        empty_batch: object = None,
     ) -> DynamicSampling | None:
         """Validate the constructor options; ``None`` when dynamic sampling is off.
 
@@ -96,6 +125,7 @@ class DynamicSampling:
             for name, value in [
                 ("max_generation_batches", max_generation_batches),
                 ("sampling_metric", sampling_metric),
+                ("empty_batch", empty_batch),
             ]:
                 if value is not None:
                     raise InputError(
@@ -111,7 +141,12 @@ class DynamicSampling:
             raise InputError(
                 f"sampling_metric must be a reward function's name (str), got {metric!r}"
             )
-        return DynamicSampling(max_generation_batches=cap, sampling_metric=metric)
+        empty = "skip" if empty_batch is None else empty_batch
+        if not isinstance(empty, str) or empty not in EMPTY_BATCH_CHOICES:
+            raise InputError(f"empty_batch must be 'skip' or 'raise', got {empty!r}")
+        return DynamicSampling(
+            max_generation_batches=cap, sampling_metric=metric, empty_batch=empty
+        )
 
     def bind(self, trainer: Any) -> DynamicSampling:
         """Resolve ``sampling_metric`` to a reward column and check the dataset; once, at init.
@@ -130,6 +165,14 @@ class DynamicSampling:
                 f"reward functions are {names} (\"accuracy\" also finds 'accuracy_reward')"
             )
         self.column = names.index(found[0])
+        if _is_shaped(trainer.reward_funcs[self.column], found[0]):
+            warnings.warn(
+                f"sampling_metric={self.sampling_metric!r} names the overlong reward, a "
+                "shaping term: it varies with the completion lengths, so it keeps groups "
+                "whose answers are all right or all wrong; name the task's accuracy reward",
+                UserWarning,
+                stacklevel=4,
+            )
         dataset = trainer.train_dataset
         if (
             dataset is None
@@ -171,9 +214,12 @@ class DynamicSampling:
         step = acc.num_processes // math.gcd(acc.num_processes, g)
         rounds: list[dict[str, Tensor]] = []
         verdicts: list[Tensor] = []
+        log = RoundLog(trainer)
         while True:
+            log.begin_round()
             out = score(inputs)
             rounds.append(gather_round(trainer, out))
+            log.end_round(samples=int(rounds[-1]["rewards"].shape[0]))
             verdicts.append(self._verdict(trainer, rounds[-1]["rewards"]))
             kept = int(sum(int(v.sum()) for v in verdicts))
             generated = sum(v.numel() for v in verdicts)
@@ -183,7 +229,17 @@ class DynamicSampling:
             inputs = self._extra_inputs(trainer, min(-(-n // step) * step, target))
         batch, report = assemble(trainer, rounds, verdicts, target)
         trainer.last_dynamic_sampling = report
-        _log(trainer, report, generated_samples=generated * g)
+        if report.kept_in_batch == 0 and self.empty_batch == "raise":
+            raise ValueError(
+                f"dynamic sampling kept no group: 0 of {generated} generated groups in "
+                f"{report.rounds} generation batches (max_generation_batches="
+                f"{self.max_generation_batches}) had spread in sampling_metric="
+                f"{self.sampling_metric!r}; empty_batch='raise'"
+            )
+        chosen = report.selected[: report.kept_in_batch]
+        kept_rows = [rounds[r]["rewards"][i * g : (i + 1) * g] for r, i in chosen]
+        log.finish(trainer, torch.cat(kept_rows) if kept_rows else rounds[0]["rewards"][:0])
+        log_generation(trainer, report, generated_samples=generated * g)
         rank = acc.process_index
         local = {k: v[rank * local_rows : (rank + 1) * local_rows] for k, v in batch.items()}
         local["num_items_in_batch"] = token_count(
@@ -205,27 +261,21 @@ class DynamicSampling:
         return decided
 
 
-def _log(trainer: Any, report: SamplingReport, *, generated_samples: int) -> None:
-    kept_groups = sum(sum(v) for v in report.verdicts)
-    groups = sum(len(v) for v in report.verdicts)
-    kept_samples = report.kept_in_batch * trainer.num_generations
-    metrics = trainer._metrics["train"]
-    metrics["dynamic_sampling/kept_group_fraction"].append(kept_groups / groups)
-    metrics["dynamic_sampling/generation_batches"].append(float(report.rounds))
-    per_kept = generated_samples / kept_samples if kept_samples else math.nan
-    metrics["dynamic_sampling/samples_per_kept_sample"].append(per_kept)
-    metrics["dynamic_sampling/batch_fill"].append(report.kept_in_batch / report.target)
-    partial = report.kept_in_batch < report.target
-    metrics["dynamic_sampling/partial_batch"].append(float(partial))
-    if partial and trainer.accelerator.is_main_process:
-        logger.warning(
-            "dynamic sampling: %d of %d groups kept after max_generation_batches=%d "
-            "generation batches; training on the kept groups only (the rest of the batch "
-            "is masked out)",
-            report.kept_in_batch,
-            report.target,
-            report.rounds,
-        )
+def _is_shaped(func: Any, name: str) -> bool:
+    """A shaping reward, not a task metric: dapo_ops' :class:`~dapo_ops.integrations.trl.OverlongReward`
+    (also behind ``functools.wraps`` or ``functools.partial``), or a reward function whose
+    name contains "overlong" (TRL's ``soft_overlong_punishment_reward`` among them)."""
+    inner = func
+    while isinstance(inner, functools.partial):
+        inner = inner.func
+    inner = inspect.unwrap(inner) if callable(inner) else inner
+    return isinstance(inner, OverlongReward) or "overlong" in name.lower()
 
 
-__all__ = ["DEFAULT_MAX_GENERATION_BATCHES", "DynamicSampling", "SamplingReport", "trl_advantages"]
+__all__ = [
+    "DEFAULT_MAX_GENERATION_BATCHES",
+    "EMPTY_BATCH_CHOICES",
+    "DynamicSampling",
+    "SamplingReport",
+    "trl_advantages",
+]

@@ -1,26 +1,39 @@
-"""verl's advantage estimators, each registered as ``dapo_ops_<adv_estimator>``.
+"""verl's advantage estimators, each registered as ``dapo_ops_<adv_estimator>``, from one table.
 
-Every function takes verl 0.9.1's arguments (``token_level_rewards``, ``response_mask``,
-``index`` = the ``uid`` array, ``config`` = the algorithm config, and what the estimator
-needs besides) and reads the same config fields as verl's own function, then computes
-with dapo_ops (:func:`dapo_ops.group_advantages`, :mod:`dapo_ops.estimators`,
-:mod:`dapo_ops.returns`): vectorised over samples (verl loops over them in Python for
-most), no ``.item()``. The outcome estimators score a response by the sum of its
-``token_level_rewards`` and return ``(advantages, returns)`` broadcast over
-``response_mask``, as verl. Results equal verl's in float64
-(``tests/integration/test_verl_estimators.py``), except where verl computes in float32
-(``grpo_vectorized``'s group statistics, ``gdpo``'s components: then ours are the exact
-values of the same formula). ``adv_estimator: dapo_ops_<name>`` in a verl config selects
-them once :func:`dapo_ops.integrations.verl.register` ran.
+:data:`ROWS` holds one row per verl 0.9.1 ``adv_estimator``: verl's parameters (names,
+defaults, order), the dapo_ops computation they feed with the config fields verl reads,
+and how the result is laid over ``response_mask``; one generic body
+(:func:`dapo_ops.integrations._verl_twin_table.twin`) makes each row a function with
+verl's signature (:data:`ESTIMATORS`). Adding a twin is adding a row. All are vectorised
+over samples (verl loops over them in Python for most), no ``.item()``, no autograd, and
+return ``(advantages, returns)`` in the rewards' dtype, 0 at masked positions.
 
-``dapo_ops_grpo`` and ``dapo_ops_grpo_vectorized`` read ``norm_adv_by_std_in_grpo`` from
-the algorithm config, which is what verl's trainer does for ``grpo`` (it passes the flag
-to its function); through the registry verl's ``grpo_vectorized`` never sees the flag and
-always scales by the std.
+The outcome estimators score a response by the sum of its ``token_level_rewards`` and
+group by ``index`` (verl's ``uid`` array, any hashable values). Results equal verl's in
+float64 to rounding on every input: ragged groups, one-sample groups, equal-score groups,
+empty rows (``tests/integration/test_verl_advantage_grid.py``, 1e-10 relative). A
+one-sample group has verl's mean 0 and std ``torch.tensor(1.0)``, a float32: ``grpo``
+(and ``grpo_vectorized``, ``gdpo``) give it ``score / float32(1 + epsilon)``
+(``1 + 1e-6`` rounds to ``1.00000095367431640625``), the raw score unscaled; ``rloo``,
+``reinforce_plus_plus_baseline``, ``opo`` and ``gpg`` keep its raw score, as the baseline
+0 of verl's loops; ``rloo_vectorized`` gives it 0. Where verl itself computes in float32
+ours are the exact values of the same formula: ``grpo_vectorized``'s group statistics
+(float32 in verl even for float64 scores), ``gdpo``'s components (verl reads them as
+float32). An ``opo`` group whose responses are all empty gets 0 (verl: NaN, 0 / 0).
 
-verl's trainer computes ``gae`` without its registry (``ray_trainer.compute_advantage``
-special-cases it, passing ``values``, ``gamma``, ``lam``); ``dapo_ops_gae`` has
-verl's signature for code that calls the function itself.
+Config: ``grpo`` and ``grpo_vectorized`` read ``norm_adv_by_std_in_grpo`` from the
+algorithm config when it is given (else the argument), which is what verl's trainer does
+for ``grpo`` (it passes the flag to its function); through the registry verl's
+``grpo_vectorized`` never sees the flag and always scales by the std. ``grpo_passk``
+reads it from the config, which it requires, as verl; ``gdpo`` from the argument only
+(verl passes it on to its ``grpo``), its components and weights from
+``gdpo_reward_keys``/``gdpo_reward_weights``; ``reinforce_plus_plus`` reads ``gamma``;
+``gpg`` takes ``f_norm`` and, as verl, recomputes ``alpha`` (``batch / #nonzero scores``,
+a float32 division) whatever is passed. verl's trainer computes ``gae`` without its
+registry (``ray_trainer.compute_advantage`` passes ``values``, ``gamma``, ``lam``);
+``dapo_ops_gae`` has verl's signature for code that calls it itself. ``adv_estimator:
+dapo_ops_<name>`` in a verl config selects them once
+:func:`dapo_ops.integrations.verl.register` ran.
 
 Example:
     >>> sorted(ESTIMATORS)[:3]
@@ -29,268 +42,135 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable
-from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from dapo_ops._rules import masked
-from dapo_ops._validate import InputError
-from dapo_ops.advantages import group_advantages
-from dapo_ops.estimators import gdpo_advantages, gpg_advantages, opo_advantages, passk_advantages
-from dapo_ops.integrations._verl_common import _config_value
-from dapo_ops.integrations.verl_estimators import group_ids
-from dapo_ops.returns import (
-    gae_advantages,
-    masked_whiten,
-    reinforce_pp_advantages,
-    remax_advantages,
+from dapo_ops._core._validate import InputError
+from dapo_ops.advantages.estimators import opo_advantages, passk_advantages
+from dapo_ops.advantages.returns import gae_advantages, reinforce_pp_advantages, remax_advantages
+from dapo_ops.integrations._verl_twin_table import (
+    OUTCOME,
+    REQUIRED,
+    Args,
+    Row,
+    group_stats,
+    grpo,
+    register,
+    twin,
+    verl_whiten,
 )
 
-Uids = Iterable[Hashable]
+_NORM = (("norm_adv_by_std_in_grpo", True),)
 
 
-def _outcome(
-    token_level_rewards: Tensor, response_mask: Tensor, index: Uids | None, name: str
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Scores ``[batch]``, the bool mask and integer group ids of verl's ``uid`` array."""
-    if index is None:
-        raise InputError(f"dapo_ops_{name} needs index (verl's uid array: the prompt groups)")
-    scores = token_level_rewards.sum(dim=-1)
-    ids = group_ids(index, scores.shape[0], scores.device)
-    return scores, response_mask != 0, ids
+def _grpo(a: Args) -> Tensor:
+    scale = a.config("norm_adv_by_std_in_grpo", a["norm_adv_by_std_in_grpo"])
+    return grpo(a.scores, a.ids, eps=float(a["epsilon"]), scale=bool(scale))
 
 
-def _spread(adv: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
-    """One advantage per response, broadcast over its valid tokens: ``(adv, adv)``."""
-    out = masked(valid, adv[:, None].expand(valid.shape))
-    return out, out
+def _leave_one_out(a: Args, lone: float) -> Tensor:
+    """``s - mean of the others`` = ``n / (n - 1) (s - mean)``; ``lone`` times ``s`` alone."""
+    scores = a.scores
+    mean, _, count = group_stats(scores, a.ids)
+    x = scores.to(mean.dtype)
+    return torch.where(count > 1, (x - mean) * count / (count - 1).clamp(min=1), lone * x)
 
 
-def compute_grpo_outcome_advantage(
-    token_level_rewards: Tensor,
-    response_mask: Tensor,
-    index: Iterable[Hashable],
-    epsilon: float = 1e-6,
-    norm_adv_by_std_in_grpo: bool = True,
-    config: Any = None,
-    **kwargs: Any,
-) -> tuple[Tensor, Tensor]:
-    """verl advantage estimator: GRPO outcome advantage via :func:`dapo_ops.group_advantages`.
-
-    ``scores = token_level_rewards.sum(-1)`` grouped by ``index`` (verl's ``uid`` array,
-    any hashable values); ``(score - mean) / (std + epsilon)`` with the unbiased std, or
-    ``score - mean`` when ``norm_adv_by_std_in_grpo`` is off (read from ``config``, the
-    algorithm config, when given); a one-sample group keeps its raw score, as in verl.
-    Returns ``(advantages, returns)``, both the advantage broadcast over ``response_mask``.
-    """
-    if config is not None:
-        norm_adv_by_std_in_grpo = bool(
-            _config_value(config, "norm_adv_by_std_in_grpo", norm_adv_by_std_in_grpo)
-        )
-    scores = token_level_rewards.sum(dim=-1)
-    lookup: dict[Hashable, int] = {}
-    ids = [lookup.setdefault(uid, len(lookup)) for uid in index]
-    if len(ids) != scores.shape[0]:
-        raise InputError(f"index has {len(ids)} entries for {scores.shape[0]} responses")
-    group_ids = torch.tensor(ids, dtype=torch.long, device=scores.device)
-    with torch.no_grad():
-        adv = group_advantages(
-            scores,
-            group_ids,
-            scale="group" if norm_adv_by_std_in_grpo else "none",
-            eps=epsilon,
-            singleton="score",
-        )
-        adv = adv.to(scores.dtype).unsqueeze(-1) * response_mask
-    return adv, adv
+def _centred(a: Args) -> Tensor:
+    scores = a.scores
+    mean, _, _ = group_stats(scores, a.ids)
+    return scores.to(mean.dtype) - mean
 
 
-def compute_gae_advantage_return(
-    token_level_rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: Any, lam: Any
-) -> tuple[Tensor, Tensor]:
-    """verl's ``gae``: :func:`dapo_ops.gae_advantages` (whitened advantages, returns)."""
-    return gae_advantages(
-        token_level_rewards, values, response_mask != 0, gamma=float(gamma), lam=float(lam)
-    )
+def _gpg(a: Args) -> Tensor:
+    scores = a.scores
+    alpha = scores.shape[0] / torch.count_nonzero(scores).clamp(min=1)  # float32, as verl's
+    return alpha * _centred(a) / float(a["f_norm"])
 
 
-def compute_rloo_outcome_advantage(
-    token_level_rewards: Tensor,
-    response_mask: Tensor,
-    index: Uids | None = None,
-    epsilon: float = 1e-6,
-    config: Any = None,
-    **kwargs: Any,
-) -> tuple[Tensor, Tensor]:
-    """verl's ``rloo``: the score minus the mean of the group's other scores; a one-sample
-    group keeps its score."""
-    scores, valid, ids = _outcome(token_level_rewards, response_mask, index, "rloo")
-    adv = group_advantages(scores, ids, scale="none", baseline="leave_one_out", singleton="score")
-    return _spread(adv, valid)
+def _opo(a: Args) -> Tensor:
+    return opo_advantages(a.scores, a.valid.sum(dim=-1), a.ids)
 
 
-def compute_rloo_vectorized_outcome_advantage(
-    token_level_rewards: Tensor,
-    response_mask: Tensor,
-    index: Uids | None = None,
-    epsilon: float = 1e-6,
-    config: Any = None,
-    **kwargs: Any,
-) -> tuple[Tensor, Tensor]:
-    """verl's ``rloo_vectorized``: as ``rloo``, but a one-sample group gets 0."""
-    scores, valid, ids = _outcome(token_level_rewards, response_mask, index, "rloo_vectorized")
-    adv = group_advantages(scores, ids, scale="none", baseline="leave_one_out", singleton="zero")
-    return _spread(adv, valid)
+def _passk(a: Args) -> Tensor:
+    scale = bool(a.config("norm_adv_by_std_in_grpo", True, required=True))
+    return passk_advantages(a.scores, a.ids, scale=scale, eps=float(a["epsilon"]))
 
 
-def compute_reinforce_plus_plus_baseline_outcome_advantage(
-    token_level_rewards: Tensor,
-    response_mask: Tensor,
-    index: Uids | None = None,
-    epsilon: float = 1e-6,
-    config: Any = None,
-    **kwargs: Any,
-) -> tuple[Tensor, Tensor]:
-    """verl's ``reinforce_plus_plus_baseline``: the group-centred score (a one-sample group
-    keeps its score), broadcast over the response and whitened over the batch's tokens."""
-    scores, valid, ids = _outcome(
-        token_level_rewards, response_mask, index, "reinforce_plus_plus_baseline"
-    )
-    centred = group_advantages(scores, ids, scale="none", singleton="score")
-    adv = masked(valid, masked_whiten(masked(valid, centred[:, None].expand(valid.shape)), valid))
-    return adv, adv
-
-
-def compute_opo_outcome_advantage(
-    token_level_rewards: Tensor,
-    response_mask: Tensor,
-    index: Uids | None = None,
-    epsilon: float = 1e-6,
-    config: Any = None,
-    **kwargs: Any,
-) -> tuple[Tensor, Tensor]:
-    """verl's ``opo``: the score minus the length-weighted group mean."""
-    scores, valid, ids = _outcome(token_level_rewards, response_mask, index, "opo")
-    return _spread(opo_advantages(scores, valid.sum(dim=-1), ids), valid)
-
-
-def compute_gpg_outcome_advantage(
-    token_level_rewards: Tensor,
-    response_mask: Tensor,
-    index: Uids | None = None,
-    epsilon: float = 1e-6,
-    f_norm: float = 1.0,
-    alpha: float = 1.0,
-    config: Any = None,
-    **kwargs: Any,
-) -> tuple[Tensor, Tensor]:
-    """verl's ``gpg``: :func:`dapo_ops.gpg_advantages` (verl recomputes ``alpha`` from the
-    batch and ignores the argument; so does this)."""
-    scores, valid, ids = _outcome(token_level_rewards, response_mask, index, "gpg")
-    return _spread(gpg_advantages(scores, ids, f_norm=float(f_norm)), valid)
-
-
-def compute_grpo_passk_outcome_advantage(
-    token_level_rewards: Tensor,
-    response_mask: Tensor,
-    index: Uids | None = None,
-    epsilon: float = 1e-6,
-    norm_adv_by_std_in_grpo: bool = True,
-    config: Any = None,
-    **kwargs: Any,
-) -> tuple[Tensor, Tensor]:
-    """verl's ``grpo_passk``: :func:`dapo_ops.passk_advantages`, the std scaling read from
-    ``config.norm_adv_by_std_in_grpo`` (as verl, which requires the config)."""
-    if config is None:
-        raise InputError("dapo_ops_grpo_passk needs verl's algorithm config (config=...)")
-    scale = bool(_config_value(config, "norm_adv_by_std_in_grpo", True))
-    scores, valid, ids = _outcome(token_level_rewards, response_mask, index, "grpo_passk")
-    return _spread(passk_advantages(scores, ids, scale=scale, eps=float(epsilon)), valid)
-
-
-def compute_gdpo_outcome_advantage(
-    token_level_rewards: Tensor,
-    response_mask: Tensor,
-    index: Uids | None = None,
-    epsilon: float = 1e-6,
-    norm_adv_by_std_in_grpo: bool = True,
-    config: Any = None,
-    non_tensor_batch: dict[str, Any] | None = None,
-    batch: Any = None,
-    **kwargs: Any,
-) -> tuple[Tensor, Tensor]:
-    """verl's ``gdpo``: each component of ``config.gdpo_reward_keys`` (read from
-    ``non_tensor_batch`` as float32, as verl) GRPO-normalised within its group, weighted by
-    ``config.gdpo_reward_weights`` and whitened over the batch's tokens
-    (:func:`dapo_ops.gdpo_advantages`); without the config and batches, the score alone."""
-    scores, valid, ids = _outcome(token_level_rewards, response_mask, index, "gdpo")
-    weights = None
-    if config is not None and non_tensor_batch is not None and batch is not None:
-        keys = _config_value(config, "gdpo_reward_keys", None)
+def _gdpo(a: Args) -> Tensor:
+    """Each component GRPO-normalised in its group, weighted (float32 weights, as verl)."""
+    ids, device = a.ids, a.valid.device
+    components, weights = [a.scores], None
+    if a["config"] is not None and a["non_tensor_batch"] is not None and a["batch"] is not None:
+        keys, table = a.config("gdpo_reward_keys", None), a["non_tensor_batch"]
         if not keys:
             raise InputError("dapo_ops_gdpo needs algorithm.gdpo_reward_keys (the components)")
-        missing = [k for k in keys if k not in non_tensor_batch]
-        if missing:
+        if missing := [k for k in keys if k not in table]:
             raise InputError(f"gdpo_reward_keys {missing} are not in non_tensor_batch")
-        columns = [np.asarray(non_tensor_batch[k], dtype=np.float32) for k in keys]
-        components = torch.tensor(np.stack(columns, axis=1), device=scores.device)
-        given = _config_value(config, "gdpo_reward_weights", None)
-        if given is not None:
-            weights = torch.tensor(list(given), dtype=torch.float32, device=scores.device)
-    else:
-        components = scores[:, None]
-    adv = gdpo_advantages(
-        components, ids, valid, weights=weights, scale=bool(norm_adv_by_std_in_grpo),
-        eps=float(epsilon),
+        components = [torch.tensor(np.asarray(table[k], dtype=np.float32)).to(device) for k in keys]
+        if (given := a.config("gdpo_reward_weights", None)) is not None:
+            weights = torch.tensor(list(given), dtype=torch.float32, device=device)
+    if weights is None:
+        weights = torch.ones(len(components), dtype=torch.float32, device=device)
+    scale, eps = bool(a["norm_adv_by_std_in_grpo"]), float(a["epsilon"])
+    total = weights[0] * grpo(components[0], ids, eps=eps, scale=scale)
+    for w, c in zip(weights[1:], components[1:], strict=True):
+        total = total + w * grpo(c, ids, eps=eps, scale=scale)
+    return total
+
+
+def _gae(a: Args) -> tuple[Tensor, Tensor]:
+    adv, returns = gae_advantages(
+        a["token_level_rewards"], a["values"], a.valid, gamma=float(a["gamma"]),
+        lam=float(a["lam"]), whiten=False,
     )  # fmt: skip
-    return adv, adv
+    return verl_whiten(adv, a.valid), returns
 
 
-def compute_reinforce_plus_plus_outcome_advantage(
-    token_level_rewards: Tensor, response_mask: Tensor, config: Any = None, **kwargs: Any
-) -> tuple[Tensor, Tensor]:
-    """verl's ``reinforce_plus_plus``: discounted returns (``config.gamma``), whitened."""
-    if config is None:
-        raise InputError("dapo_ops_reinforce_plus_plus needs verl's algorithm config (gamma)")
-    gamma = float(_config_value(config, "gamma", 1.0))
-    return reinforce_pp_advantages(token_level_rewards, response_mask != 0, gamma=gamma)
+def _reinforce_pp(a: Args) -> tuple[Tensor, Tensor]:
+    gamma = float(a.config("gamma", 1.0, required=True))
+    _, returns = reinforce_pp_advantages(a["token_level_rewards"], a.valid, gamma=gamma)
+    return verl_whiten(returns, a.valid), returns
 
 
-def compute_remax_outcome_advantage(
-    token_level_rewards: Tensor,
-    reward_baselines: Tensor,
-    response_mask: Tensor,
-    config: Any = None,
-    **kwargs: Any,
-) -> tuple[Tensor, Tensor]:
-    """verl's ``remax``: the reward-to-go minus the greedy rollout's reward."""
-    return remax_advantages(token_level_rewards, reward_baselines, response_mask != 0)
+def _remax(a: Args) -> tuple[Tensor, Tensor]:
+    return remax_advantages(a["token_level_rewards"], a["reward_baselines"], a.valid)
 
 
-#: verl ``adv_estimator`` -> ours, registered as ``dapo_ops_<name>``.
+_T, _M = ("token_level_rewards", REQUIRED), ("response_mask", REQUIRED)
+
+#: verl ``adv_estimator`` -> its row: verl's parameters, our computation, the spread.
+ROWS: dict[str, Row] = {
+    "gae": Row(
+        (_T, ("values", REQUIRED), _M, ("gamma", REQUIRED), ("lam", REQUIRED)),
+        _gae, "tokens", "dapo_ops.gae_advantages, whitened as verl.", config=False,
+    ),
+    "grpo": Row((*OUTCOME, *_NORM), _grpo, doc="(s - mean) / (std + epsilon) per uid group."),
+    "grpo_vectorized": Row((*OUTCOME, *_NORM), _grpo, doc="as grpo, exact group statistics."),
+    "gdpo": Row(
+        (*OUTCOME, *_NORM, ("non_tensor_batch", None), ("batch", None)),
+        _gdpo, "whiten", "GRPO per reward component, weighted, whitened.",
+    ),
+    "grpo_passk": Row((*OUTCOME, *_NORM), _passk, doc="dapo_ops.passk_advantages."),
+    "reinforce_plus_plus": Row((_T, _M), _reinforce_pp, "tokens", "returns, whitened."),
+    "reinforce_plus_plus_baseline": Row(OUTCOME, _centred, "whiten", "centred score, whitened."),
+    "rloo": Row(OUTCOME, lambda a: _leave_one_out(a, 1.0), doc="leave-one-out baseline."),
+    "rloo_vectorized": Row(OUTCOME, lambda a: _leave_one_out(a, 0.0), doc="as rloo; alone: 0."),
+    "opo": Row(OUTCOME, _opo, doc="dapo_ops.opo_advantages."),
+    "remax": Row((_T, ("reward_baselines", REQUIRED), _M), _remax, "tokens", "remax_advantages."),
+    "gpg": Row((*OUTCOME, ("f_norm", 1.0), ("alpha", 1.0)), _gpg, doc="alpha (s - mean) / f_norm."),
+}  # fmt: skip
+
+#: verl ``adv_estimator`` -> ours (registered as ``dapo_ops_<name>``).
 ESTIMATORS: dict[str, Callable[..., tuple[Tensor, Tensor]]] = {
-    "gae": compute_gae_advantage_return,
-    "grpo": compute_grpo_outcome_advantage,
-    "grpo_vectorized": compute_grpo_outcome_advantage,
-    "gdpo": compute_gdpo_outcome_advantage,
-    "grpo_passk": compute_grpo_passk_outcome_advantage,
-    "reinforce_plus_plus": compute_reinforce_plus_plus_outcome_advantage,
-    "reinforce_plus_plus_baseline": compute_reinforce_plus_plus_baseline_outcome_advantage,
-    "rloo": compute_rloo_outcome_advantage,
-    "rloo_vectorized": compute_rloo_vectorized_outcome_advantage,
-    "opo": compute_opo_outcome_advantage,
-    "remax": compute_remax_outcome_advantage,
-    "gpg": compute_gpg_outcome_advantage,
+    name: twin(name, row) for name, row in ROWS.items()
 }
+compute_grpo_outcome_advantage = ESTIMATORS["grpo"]
 
 
 def register_advantages() -> None:
     """Register every function of :data:`ESTIMATORS` as ``dapo_ops_<name>``. Idempotent."""
-    from verl.trainer.ppo import core_algos
-
-    for name, fn in ESTIMATORS.items():
-        core_algos.ADV_ESTIMATOR_REGISTRY.pop(f"dapo_ops_{name}", None)
-        core_algos.register_adv_est(f"dapo_ops_{name}")(fn)
+    register({f"dapo_ops_{name}": fn for name, fn in ESTIMATORS.items()})

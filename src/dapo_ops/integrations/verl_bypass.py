@@ -8,8 +8,9 @@ per ``rollout_rs`` option, and-ed) from ``policy_loss.rollout_correction``, and
 ``loss_type="reinforce"``: ``policy_loss(PolicyGradient(), ..., mask=kept,
 is_weights=w)``, or ``"ppo_clip"``: verl's vanilla loss (``dapo_ops_vanilla``) on the
 kept tokens, no IS weights (the ratio to the rollout already is the correction).
-:func:`bypass_loss` is registered as ``dapo_ops_bypass_mode``; tested against verl in
-``tests/integration/test_verl_bypass.py``.
+:func:`bypass_step` is the step of the ``bypass_mode`` row of
+:data:`dapo_ops.integrations.verl_losses.TWINS` (registered as ``dapo_ops_bypass_mode``);
+tested against verl in ``tests/integration/test_verl_bypass.py``.
 
 Example:
     >>> rollout_rs_criteria("token_k1,seq_mean_k3", "0.5_2.0,0.1")[1]
@@ -20,16 +21,18 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor
 
-from dapo_ops._validate import InputError
-from dapo_ops.importance import rejection_mask, truncated_is_weights
-from dapo_ops.integrations._verl_common import _config_value
-from dapo_ops.integrations.verl_composed import _aggregation, _masked_mean
-from dapo_ops.objectives import PolicyGradient
-from dapo_ops.offpolicy import offpolicy_metrics
-from dapo_ops.policy import policy_loss
+from dapo_ops._core._validate import InputError
+from dapo_ops.correction.offpolicy import offpolicy_metrics
+from dapo_ops.integrations._verl_common import (
+    CLIP_METRICS,
+    Call,
+    _config_value,
+    kl_raw,
+    policy_loss_option,
+)
+from dapo_ops.integrations._verl_rollout_corr import rollout_is, rollout_rs
 
 
 def _threshold_pair(spec: Any, field: str) -> tuple[float, float | None]:
@@ -86,13 +89,11 @@ _EMPTY_ROW = {
 }  # fmt: skip
 
 
-def verl_offpolicy_metrics(
-    current: Tensor, rollout: Tensor, mask: Tensor, weights: Tensor | None
-) -> dict[str, float]:
-    """verl's ``rollout_corr/`` off-policy metrics (and the IS weights' ESS): those of
-    :func:`dapo_ops.offpolicy_metrics`, with empty rows counted as verl counts them."""
-    gap = {k: float(v) for k, v in offpolicy_metrics(current, rollout, mask, is_weights=weights)._asdict().items()}  # fmt: skip
-    ess = gap.pop("is_ess")
+def verl_offpolicy_metrics(current: Tensor, rollout: Tensor, mask: Tensor) -> dict[str, float]:
+    """verl's off-policy metrics (unprefixed): those of :func:`dapo_ops.offpolicy_metrics`,
+    with empty rows counted as verl counts them."""
+    gap = {k: float(v) for k, v in offpolicy_metrics(current, rollout, mask)._asdict().items()}
+    del gap["is_ess"]  # verl's ESS is a statistic of its IS weights (rollout_is)
     rows = mask.shape[0]
     empty = rows - int(mask.any(dim=-1).sum())
     if empty:
@@ -100,31 +101,18 @@ def verl_offpolicy_metrics(
             gap[key] = (gap[key] * (rows - empty) + value * empty) / rows
         gap["log_ppl_diff_max"] = max(gap["log_ppl_diff_max"], 0.0)
         gap["log_ppl_diff_min"] = min(gap["log_ppl_diff_min"], 0.0)
-    out = {f"rollout_corr/{k}": v for k, v in gap.items()}
-    if weights is not None:
-        out["rollout_corr/rollout_is_eff_sample_size"] = ess
-    return out
+    return gap
 
 
-def bypass_loss(
-    old_log_prob: Tensor,
-    log_prob: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Any = None,
-    rollout_is_weights: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Any]]:
+def bypass_step(call: Call) -> Call:
     """verl's ``bypass_mode``: ``old_log_prob`` is the rollout's log-prob; the IS weights
     and rejection mask come from ``config.policy_loss.rollout_correction`` (verl ignores
-    ``rollout_is_weights`` here, and so do we). Returns the loss and ``actor/ppo_kl``,
-    the loss's own metrics, and verl's ``rollout_corr/`` off-policy metrics
-    (:func:`dapo_ops.offpolicy_metrics`), ESS and rejected fraction. verl raises on an
-    all-masked micro-batch; this gives 0."""
-    del rollout_is_weights  # verl: "ignored, computed internally"
-    if config is None:
-        raise InputError("dapo_ops_bypass_mode needs verl's actor config (config=...)")
-    corr = _config_value(_config_value(config, "policy_loss", None), "rollout_correction", None)
+    ``rollout_is_weights`` here, and so do we). The loss's metrics are ``vanilla``'s
+    (``ppo_clip``) or ``actor/ppo_kl`` (``reinforce``), plus every ``rollout_corr/``
+    metric verl logs: the off-policy gap (:func:`dapo_ops.offpolicy_metrics`), the IS
+    weights' statistics and each rejection option's (``_verl_rollout_corr``).
+    verl raises on an all-masked micro-batch; this gives a loss of 0, finite metrics."""
+    corr = policy_loss_option(call.config, "rollout_correction", None)
     if corr is None:
         raise InputError(
             "loss_mode='bypass_mode' needs policy_loss.rollout_correction in the actor config"
@@ -134,36 +122,27 @@ def bypass_loss(
         raise InputError(
             f"rollout_correction.loss_type must be 'ppo_clip' or 'reinforce', got {loss_type!r}"
         )
-    mask = response_mask if response_mask.dtype == torch.bool else response_mask != 0
-    current = log_prob.detach()
-    weights = None
+    mask, rollout = call.mask, call.old_log_prob
+    current = call.log_prob.detach()
+    weights, kept, stats = None, mask, dict[str, float]()
     level = _config_value(corr, "rollout_is", None)
-    threshold = _config_value(corr, "rollout_is_threshold", 2.0)
     if level is not None:
+        threshold = _config_value(corr, "rollout_is_threshold", 2.0)
         cap, lower = _threshold_pair(threshold, "rollout_correction.rollout_is_threshold")
-        weights = truncated_is_weights(
-            current, old_log_prob, mask, level=level, cap=cap, lower=lower,
-            batch_normalize=bool(_config_value(corr, "rollout_is_batch_normalize", False)),
-        )  # fmt: skip
-    kept = mask
+        normalize = bool(_config_value(corr, "rollout_is_batch_normalize", False))
+        weights, stats = rollout_is(
+            current, rollout, mask, level=level, cap=cap, lower=lower, normalize=normalize
+        )
     rs = _config_value(corr, "rollout_rs", None)
     if rs is not None:
-        rs_threshold = _config_value(corr, "rollout_rs_threshold", None)
-        for criterion in rollout_rs_criteria(rs, rs_threshold):
-            kept = kept & rejection_mask(current, old_log_prob, mask, **criterion)
-    if loss_type == "ppo_clip":  # the ratio to the rollout is the correction: no weights
-        from dapo_ops.integrations.verl_losses import policy_loss_fn
-
-        loss, metrics = policy_loss_fn("vanilla")(
-            old_log_prob, log_prob, advantages, kept, loss_agg_mode, config
-        )
-    else:
-        loss = policy_loss(
-            PolicyGradient(), log_prob, old_log_prob, advantages, kept, is_weights=weights,
-            **_aggregation(config, loss_agg_mode),
-        )  # fmt: skip
-        metrics = {"actor/ppo_kl": _masked_mean(old_log_prob - current, kept)}
-    metrics.update(verl_offpolicy_metrics(current, old_log_prob, mask, weights))
-    if rs is not None:
-        metrics["rollout_corr/rollout_rs_masked_fraction"] = _masked_mean((~kept).double(), mask)
-    return loss, metrics
+        criteria = rollout_rs_criteria(rs, _config_value(corr, "rollout_rs_threshold", None))
+        kept, rejection = rollout_rs(current, rollout, mask, criteria)
+        stats |= rejection
+    stats |= verl_offpolicy_metrics(current, rollout, mask)
+    reinforce = loss_type == "reinforce"  # ppo_clip: the ratio to the rollout is the correction
+    return call._replace(
+        mask=kept,
+        is_weights=weights if reinforce else None,
+        metrics={"actor/ppo_kl": kl_raw} if reinforce else CLIP_METRICS,
+        extra={f"rollout_corr/{k}": v for k, v in stats.items()},
+    )

@@ -54,8 +54,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dapo_ops._validate import InputError, check_bool, check_int, check_option
-from dapo_ops.sampling import dynamic_sample_mask
+from dapo_ops._core._validate import InputError, check_bool, check_int, check_option
+from dapo_ops.rewards.sampling import dynamic_sample_mask
 
 
 class FilterGroupsStep(NamedTuple):

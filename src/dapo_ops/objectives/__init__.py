@@ -15,6 +15,7 @@ from dapo_ops.objectives.gspo import GSPO
 from dapo_ops.objectives.policy_gradient import PolicyGradient
 from dapo_ops.objectives.ratio import RatioSurrogate
 from dapo_ops.objectives.sapo import SAPO
+from dapo_ops.objectives.topr import TOPR
 from dapo_ops.objectives.vespo import VESPO
 
 #: Every objective class the library exports (the conformance suite's list).
@@ -29,6 +30,7 @@ OBJECTIVES: tuple[type[Objective], ...] = (
     PolicyGradient,
     VESPO,
     RatioSurrogate,
+    TOPR,
 )
 
 __all__ = [
@@ -39,6 +41,7 @@ __all__ = [
     "GSPO",
     "OBJECTIVES",
     "SAPO",
+    "TOPR",
     "VESPO",
     "ClipHigher",
     "Clipped",

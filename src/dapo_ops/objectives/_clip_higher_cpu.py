@@ -1,6 +1,6 @@
 """ClipHigher's eager CPU kernel: float-only ops on cache-sized row blocks.
 
-Private; :meth:`ClipHigher.cpu_terms` hands it to the engine (:mod:`dapo_ops._engine`),
+Private; :meth:`ClipHigher.cpu_terms` hands it to the engine (:mod:`dapo_ops.engine._engine`),
 which calls it for eager CPU work instead of the ``where``-based generic body (CPU
 ``where`` and bool-valued kernels cost 5-50x a float multiply there). It computes, for
 each block of rows, exactly what the generic body computes from
@@ -24,19 +24,43 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
-from dapo_ops._kl_cpu import finite_or_masked
-
-if TYPE_CHECKING:
-    from dapo_ops._kl_cpu import KLBlocks
-    from dapo_ops.objectives.clip_higher import ClipHigher
+from dapo_ops._core._rules import finite_or_masked
 
 #: Stands in for an infinite bound in the float-only path (its ratios are at most e^60).
 _BIG = 1e30
+
+
+@runtime_checkable
+class Bounds(Protocol):
+    """What the kernel reads of its objective (:class:`~dapo_ops.ClipHigher`'s fields)."""
+
+    @property
+    def eps_low(self) -> float: ...
+    @property
+    def eps_high(self) -> float: ...
+    @property
+    def dual_clip(self) -> float | None: ...
+    @property
+    def log_ratio_clamp(self) -> float: ...
+    def bounds(self, adv: Tensor) -> tuple[Tensor, Tensor]: ...
+
+
+@runtime_checkable
+class BlockTerm(Protocol):
+    """A term added row block by row block while the block is in cache: the engine's KL
+    penalty (:class:`dapo_ops.engine._kl_cpu.KLBlocks`). Typed here, not imported: the
+    engine sits above the objectives."""
+
+    def prepare(self, sl: slice, valid: Tensor) -> bool: ...
+    def add(
+        self, sl: slice, vf: Tensor, row_sums: Tensor, grad: Tensor | None, scratch: Tensor
+    ) -> None: ...
+
 
 #: The generic body on a block: (logp, old_logp, adv, valid, scale, with_grad, rows) -> terms.
 Exact = Callable[
@@ -90,7 +114,7 @@ def _masked_advantages(adv: Tensor, valid: Tensor) -> Tensor:
 
 
 def cpu_terms(
-    objective: ClipHigher,
+    objective: Bounds,
     logp: Tensor,
     old_logp: Tensor,
     advantages: Tensor,
@@ -101,7 +125,7 @@ def cpu_terms(
     exact: Exact,
     *,
     is_weights: Tensor | None = None,
-    kl: KLBlocks | None = None,
+    kl: BlockTerm | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Row sums ``[b]`` and ``d(sum_i w_i rowsum_i)/d logp`` ``[b, s]`` (or None).
 
@@ -114,7 +138,7 @@ def cpu_terms(
     loss row sum ``(-A) sum_t q m rho`` differs from the generic ``sum_t (-A q) rho m`` by
     rounding only; the gradient is bitwise the generic one. ``is_weights`` ``rho`` (one
     more host read per block: are they finite) and the KL term ``kl`` (added per block by
-    :class:`dapo_ops._kl_cpu.KLBlocks`) are optional.
+    :class:`dapo_ops.engine._kl_cpu.KLBlocks`) are optional.
     """
     batch, seq = logp.shape
     dtype = scale.dtype

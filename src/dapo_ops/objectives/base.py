@@ -31,8 +31,8 @@ from typing import ClassVar, Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from dapo_ops._rules import LOG_RATIO_CLAMP
-from dapo_ops._validate import InputError
+from dapo_ops._core._rules import LOG_RATIO_CLAMP, masked
+from dapo_ops._core._validate import InputError
 
 
 class TokenInputs(NamedTuple):
@@ -42,7 +42,7 @@ class TokenInputs(NamedTuple):
     positions the values are arbitrary (finite or not): the engine removes them after
     :meth:`Objective.term` and :meth:`Objective.grad`, except where a term reduces over a
     row (sequence objectives), which must mask with ``valid`` itself
-    (:func:`dapo_ops._rules.masked`).
+    (:func:`dapo_ops._core._rules.masked`).
     """
 
     logp: Tensor  # log pi_theta of the sampled tokens (the differentiated input)
@@ -73,11 +73,15 @@ class Objective:
     token log-ratio before ``exp``.
 
     ``level`` is ``"token"``, or ``"sequence"`` for objectives whose ratio is per
-    sequence (GSPO): those take one advantage per sequence. ``token_local = True`` in
-    the class body declares a per-token loss that reads only its own token.
+    sequence (GSPO): those take one advantage per sequence unless the class sets
+    ``token_advantages = True`` (its :meth:`term` reads ``[batch, seq]`` advantages
+    per token, as GSPO-token and GMPO do). ``token_local = True`` in the class body
+    declares a per-token loss that reads only its own token.
     """
 
     level: ClassVar[Literal["token", "sequence"]] = "token"
+    #: A sequence-level objective that also takes ``[batch, seq]`` advantages.
+    token_advantages: ClassVar[bool] = False
     #: True when :meth:`term` and :meth:`grad` at a token read only that token's inputs
     #: (no reduction over its row), so :func:`dapo_ops.linear_policy_loss` may cut a
     #: sequence anywhere between chunks. Only a class that *declares* it counts (see
@@ -116,9 +120,23 @@ class Objective:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
+def per_sequence_advantages(objective: Objective) -> bool:
+    """Whether ``objective`` takes only ``[batch]`` / ``[batch, 1]`` advantages."""
+    return objective.level == "sequence" and not objective.token_advantages
+
+
 def is_token_local(objective: Objective) -> bool:
     """Whether ``type(objective)`` itself declares ``token_local = True`` (not inherited)."""
     return bool(vars(type(objective)).get("token_local", False))
+
+
+def check_objective_value(objective: object, name: str = "objective") -> None:
+    """``InputError`` unless ``objective`` is an :class:`Objective` value."""
+    if not isinstance(objective, Objective):
+        raise InputError(
+            f"{name} must be a dapo_ops objective value such as ClipHigher(), GSPO() or "
+            f"CISPO() (a subclass of dapo_ops.objectives.Objective); got {objective!r}"
+        )
 
 
 def check_field(objective: object, name: str, ok: bool, expected: str) -> None:
@@ -126,6 +144,20 @@ def check_field(objective: object, name: str, ok: bool, expected: str) -> None:
     if not ok:
         value = getattr(objective, name)
         raise InputError(f"{type(objective).__name__}.{name} {expected}; got {value!r}")
+
+
+def check_positive(
+    objective: object, *names: str, zero_ok: bool = False, none_ok: bool = False
+) -> None:
+    """Each field a finite number > 0 (``zero_ok``: >= 0; ``none_ok``: or None), else
+    ``InputError`` naming ``Type.name`` and its value."""
+    bound = ">= 0" if zero_ok else "> 0"
+    for name in names:
+        if none_ok and getattr(objective, name) is None:
+            continue
+        value = check_number(objective, name)
+        ok = (value >= 0.0 if zero_ok else value > 0.0) and value < math.inf
+        check_field(objective, name, ok, f"must be finite and {bound}{' (or None)' * none_ok}")
 
 
 def check_number(objective: object, name: str) -> float:
@@ -137,3 +169,25 @@ def check_number(objective: object, name: str) -> float:
             f"(a {type(value).__name__})"
         )
     return float(value)
+
+
+def token_inputs(
+    objective: Objective,
+    logp: Tensor,
+    old_logp: Tensor,
+    adv: Tensor,
+    valid: Tensor,
+    dtype: torch.dtype,
+    *,
+    reference: bool,
+) -> TokenInputs:
+    """The objective's inputs. ``reference``: differentiable, with masked positions set to
+    0 first (so no NaN reaches autograd); else raw (the engine masks the results)."""
+    lp, old = logp.to(dtype), old_logp.to(dtype)
+    log_ratio = lp - old
+    a = adv.to(dtype)
+    if reference:
+        lp, old, log_ratio = masked(valid, lp), masked(valid, old), masked(valid, log_ratio)
+        a = masked(valid, a)
+    clamped = log_ratio.clamp(-objective.log_ratio_clamp, objective.log_ratio_clamp)
+    return TokenInputs(lp, old, log_ratio, clamped, clamped.exp(), a, valid)

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 from torch import Tensor
 
-from dapo_ops._rules import masked
-from dapo_ops.objectives.base import Clipped, Objective, TokenInputs, check_field, check_number
+from dapo_ops._core._rules import masked
+from dapo_ops.objectives.base import Clipped, Objective, TokenInputs, check_positive
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,8 +26,10 @@ class GMPO(Objective):
     loss and the gradient ``-A_i s_i [m_{i,t} = log r_{i,t}]`` (0 where the log-ratio clip
     acts), so ``mode="seq_mean_token_mean"`` gives GMPO's objective and gradient over the
     non-empty sequences. verl 0.9.1 (``loss_mode="geo_mean"``) instead averages over every
-    row, empty ones included (``normalizer=batch`` reproduces that) and weights by the mean
-    of per-token advantages; advantages here are per sequence.
+    row, empty ones included (``normalizer=batch`` reproduces that). Advantages are per
+    sequence, or per token (``[batch, seq]``) as verl takes them: then the clip side of
+    token ``t`` follows ``sgn(A_{i,t})`` and the sequence's weight ``A_i`` is the mean of
+    ``A_{i,t}`` over its valid tokens (verl's ``geo_mean``, to its ``+1e-8`` divisor).
 
     Fields (GMPO paper and verl: the clip range is on the *log*-ratio): ``eps_low=0.4``,
     ``eps_high=0.4`` (the paper's ``(e^-0.4, e^0.4)``).
@@ -39,19 +40,18 @@ class GMPO(Objective):
     """
 
     level = "sequence"
+    token_advantages = True
 
     eps_low: float = 0.4
     eps_high: float = 0.4
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("eps_low", "eps_high"):
-            value = check_number(self, name)
-            check_field(self, name, 0.0 <= value < math.inf, "must be finite and >= 0")
+        check_positive(self, "eps_low", "eps_high", zero_ok=True)
 
     def _token_log_ratio(self, x: TokenInputs) -> Tensor:
         """``m``: ``min(lr, eps_high)`` for ``A > 0``, ``max(lr, -eps_low)`` for ``A < 0``,
-        0 for ``A == 0``."""
+        0 for ``A == 0`` (each token by its own advantage's sign)."""
         sign = torch.sign(x.adv)
         bounded = x.log_ratio.clamp(-self.eps_low, self.eps_high)
         return sign * torch.minimum(sign * x.log_ratio, sign * bounded)
@@ -61,13 +61,21 @@ class GMPO(Objective):
         n = x.valid.sum(dim=-1, keepdim=True).to(m.dtype)
         return torch.exp(m.sum(dim=-1, keepdim=True) / torch.where(n == 0, 1.0, n)).detach()
 
+    def _seq_adv(self, x: TokenInputs) -> Tensor:
+        """``A_i``: the advantage, or for ``[batch, seq]`` ones their mean over the valid
+        tokens of the row (0 for an empty row)."""
+        if x.adv.shape[-1] == 1:
+            return x.adv
+        n = x.valid.sum(dim=-1, keepdim=True).to(x.adv.dtype)
+        return masked(x.valid, x.adv).sum(dim=-1, keepdim=True) / torch.where(n == 0, 1.0, n)
+
     def term(self, x: TokenInputs) -> Tensor:
         m = self._token_log_ratio(x)
-        return -x.adv * self._seq_ratio(x) * torch.exp(m - m.detach())
+        return -self._seq_adv(x) * self._seq_ratio(x) * torch.exp(m - m.detach())
 
     def grad(self, x: TokenInputs, weight: Tensor) -> Tensor:
         unclipped = self._token_log_ratio(x) == x.log_ratio
-        return torch.where(unclipped, (weight * x.adv.neg()) * self._seq_ratio(x), 0.0)
+        return torch.where(unclipped, (weight * self._seq_adv(x).neg()) * self._seq_ratio(x), 0.0)
 
     def clipped(self, x: TokenInputs) -> Clipped:
         clip = x.log_ratio != x.log_ratio.clamp(-self.eps_low, self.eps_high)

@@ -8,7 +8,7 @@ import math
 import torch
 from torch import Tensor
 
-from dapo_ops._rules import masked
+from dapo_ops._core._rules import masked
 from dapo_ops.objectives.base import Clipped, Objective, TokenInputs, check_field, check_number
 from dapo_ops.objectives.clip_higher import clip_bounds
 
@@ -26,7 +26,10 @@ class GSPO(Objective):
 
     Every valid token of sequence ``i`` carries the value of the sequence loss and the
     gradient ``-A_i s_i`` (0 when the sequence is clipped), so ``mode="seq_mean_token_mean"``
-    gives exactly GSPO's objective and gradient. Advantages are per sequence.
+    gives exactly GSPO's objective and gradient. Advantages are per sequence, or per token
+    (``[batch, seq]``, the paper's GSPO-token): then token ``t`` uses its own ``A_{i,t}``
+    in place of ``A_i`` (value, clip side and gradient ``-A_{i,t} s_i``), as verl 0.9.1's
+    ``gspo`` does.
 
     Fields: ``eps_low=3e-4, eps_high=4e-4`` from the GSPO paper (sequence ratios stay much
     closer to 1 than token ratios); ``seq_log_ratio_clamp=10``: ours clamps the mean
@@ -42,6 +45,7 @@ class GSPO(Objective):
     """
 
     level = "sequence"
+    token_advantages = True
 
     eps_low: float = 3e-4
     eps_high: float = 4e-4

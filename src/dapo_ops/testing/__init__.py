@@ -31,7 +31,7 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from dapo_ops._validate import InputError
+from dapo_ops._core._validate import InputError
 from dapo_ops.objectives.base import Objective
 from dapo_ops.testing._base import (
     F32_RTOL,

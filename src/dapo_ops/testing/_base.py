@@ -9,11 +9,11 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from dapo_ops._rules import AggregationMode
-from dapo_ops.aggregation import token_level_aggregate
-from dapo_ops.kl import KLPenalty, kl_penalty
-from dapo_ops.objectives.base import Objective
-from dapo_ops.surrogate import per_token_loss
+from dapo_ops._core._rules import AggregationMode
+from dapo_ops.engine.aggregation import token_level_aggregate
+from dapo_ops.engine.kl import KLPenalty, kl_penalty
+from dapo_ops.engine.surrogate import per_token_loss
+from dapo_ops.objectives.base import Objective, per_sequence_advantages
 
 #: float64 evaluation against the float64 reference: 1e-10 relative is about 10^6 ulps
 #: (2^-53 each), far above another order of the same operations (a reordered row sum of
@@ -69,7 +69,7 @@ def make_batch(
         lengths[0], lengths[-1] = seq, 0
     mask = torch.arange(seq) < lengths[:, None]
     adv = torch.randn(batch, generator=g, dtype=torch.float64)
-    if per_token_advantages and objective.level == "token":
+    if per_token_advantages and not per_sequence_advantages(objective):
         adv = adv[:, None] * (0.5 + torch.rand(batch, seq, generator=g, dtype=torch.float64))
     return Batch(logp.to(dtype), old.to(dtype), adv.to(dtype), mask)
 

@@ -10,11 +10,11 @@ import torch
 from torch import Tensor
 from torch.autograd.gradcheck import GradcheckError
 
-from dapo_ops._rules import AggregationMode
-from dapo_ops.distributed import global_normalizer
-from dapo_ops.kl import KLPenalty
+from dapo_ops._core._rules import AggregationMode
+from dapo_ops.engine.distributed import global_normalizer
+from dapo_ops.engine.kl import KLPenalty
+from dapo_ops.engine.policy import policy_loss
 from dapo_ops.objectives.base import Objective
-from dapo_ops.policy import policy_loss
 from dapo_ops.testing._base import (
     Batch,
     _assert_exact,

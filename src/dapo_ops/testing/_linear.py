@@ -7,11 +7,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dapo_ops._engine import LossSpec, generic_terms, token_inputs
-from dapo_ops._rules import AggregationMode
-from dapo_ops.aggregation import loss_scale, token_level_aggregate
-from dapo_ops.kl import KLPenalty
-from dapo_ops.objectives.base import Objective, is_token_local
+from dapo_ops._core._rules import AggregationMode
+from dapo_ops.engine._engine import LossSpec, generic_terms
+from dapo_ops.engine.aggregation import loss_scale, token_level_aggregate
+from dapo_ops.engine.kl import KLPenalty
+from dapo_ops.objectives.base import Objective, is_token_local, token_inputs
 from dapo_ops.testing._base import (
     F64_RTOL,
     Batch,
@@ -40,7 +40,7 @@ def check_linear_loss(
     hidden states; ``old_logp`` keeps the batch's log-ratios (so the same clip decisions
     arise). ``chunk_sizes``: tokens per chunk (3 cuts every sequence: token chunks, or a
     sequence walked twice)."""
-    from dapo_ops.linear_loss import linear_policy_loss
+    from dapo_ops.logprobs.linear_loss import linear_policy_loss
 
     b = _default(objective, batch, torch.float64)
     g = torch.Generator().manual_seed(7)

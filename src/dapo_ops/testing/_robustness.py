@@ -10,11 +10,11 @@ import warnings
 import torch
 from torch import Tensor
 
-from dapo_ops._rules import AggregationMode
-from dapo_ops._validate import InputError
-from dapo_ops.kl import KLPenalty
+from dapo_ops._core._rules import AggregationMode
+from dapo_ops._core._validate import InputError
+from dapo_ops.engine.kl import KLPenalty
+from dapo_ops.engine.policy import policy_loss
 from dapo_ops.objectives.base import Objective
-from dapo_ops.policy import policy_loss
 from dapo_ops.testing._base import (
     F64_RTOL,
     Batch,
@@ -80,7 +80,7 @@ def check_compiled_policy_loss(
     time) gives a loss and gradient within :func:`reference_with_bounds`, with a KL penalty
     and IS weights (``kl_and_is_weights=False``: without). An objective without an
     analytic ``grad`` is refused by it with ``InputError``, which this check expects."""
-    from dapo_ops.compiled_loss import CompiledPolicyLoss
+    from dapo_ops.engine.compiled_loss import CompiledPolicyLoss
 
     if type(objective).grad is Objective.grad:
         try:

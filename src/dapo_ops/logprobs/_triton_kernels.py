@@ -1,0 +1,189 @@
+r"""The Triton kernels of :mod:`dapo_ops.logprobs._triton_linear` (which documents them).
+
+Private. Importing this module imports Triton: :func:`dapo_ops.logprobs._triton_linear.kernels`
+loads it on first use only, once per mode (``triton.jit`` reads ``TRITON_INTERPRET``
+when a kernel is defined, and the interpreter re-reads each kernel's module globals, so
+the kernels live at module level). No type annotations: Triton reads them as its own.
+"""
+# mypy: ignore-errors
+
+import triton
+import triton.language as tl
+
+from dapo_ops.logprobs._softmax_blocks import LOGP_FLOOR
+
+FLOOR = tl.constexpr(LOGP_FLOOR)
+
+# Only builtins of triton.language and this module's own jit functions are called: the
+# library's jit helpers (tl.zeros, tl.sum, tl.max) are defined when triton is imported,
+# compiled or interpreted once for all, and this module may be loaded in the other mode.
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _greater(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _sum(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _add)
+
+
+@triton.jit
+def _max(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _greater)
+
+
+@triton.jit
+def _dot(a, b, acc, UPCAST: tl.constexpr, ACC: tl.constexpr):
+    # UPCAST (interpreter only): its bfloat16 dot is wrong; bfloat16 products are exact
+    # in float32, so the float32 dot of the upcast tiles is the same arithmetic.
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision="ieee", out_dtype=ACC)
+
+
+@triton.jit
+def _tile(h_ptr, w_ptr, b_ptr, rows, live, cols, col_ok, D, temp,
+          HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
+          BT: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr):  # fmt: skip
+    """``(h W^T + b) / T`` for ``rows x cols``, in ACC; dead rows read as zeros."""
+    acc = tl.full([BT, BV], 0.0, ACC)
+    for k0 in range(0, D, BD):
+        ks = k0 + tl.arange(0, BD)
+        k_ok = ks < D
+        h = tl.load(h_ptr + rows[:, None] * D + ks[None, :],
+                    mask=live[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        w = tl.load(w_ptr + cols[:, None] * D + ks[None, :],
+                    mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        acc = _dot(h, tl.trans(w), acc, UPCAST, ACC)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(ACC)[None, :]
+    return acc / temp
+
+
+@triton.jit
+def _rows(start, N, tok_ptr, valid_ptr, BT: tl.constexpr, HAS_VALID: tl.constexpr):
+    rows = start + tl.arange(0, BT).to(tl.int64)
+    ok = rows < N
+    live = ok
+    if HAS_VALID:
+        live = ok & (tl.load(valid_ptr + rows, mask=ok, other=0) != 0)
+    tok = tl.load(tok_ptr + rows, mask=ok, other=0)
+    return rows, ok, live, tok
+
+
+@triton.jit
+def _grad(z, rows, ok, live, tok, cols, col_ok, lse_ptr, ent_ptr, a_ptr, b_ptr2, temp,
+          HAS_B: tl.constexpr):  # fmt: skip
+    """``G`` of a tile from its logits and the rows' lse, H, a, b."""
+    lse = tl.load(lse_ptr + rows, mask=ok, other=0.0)
+    a = tl.load(a_ptr + rows, mask=ok, other=0.0)
+    lp = z - lse[:, None]
+    p = tl.exp(lp)
+    g = -a[:, None] * p
+    if HAS_B:
+        ent = tl.load(ent_ptr + rows, mask=ok, other=0.0)
+        b = tl.load(b_ptr2 + rows, mask=ok, other=0.0)
+        g -= b[:, None] * p * (tl.maximum(lp, FLOOR) + ent[:, None])
+    g += tl.where(cols[None, :] == tok[:, None], a[:, None], 0.0)
+    g = g / temp
+    return tl.where(live[:, None] & col_ok[None, :], g, 0.0)
+
+
+@triton.jit
+def fwd(h_ptr, w_ptr, b_ptr, tok_ptr, valid_ptr, logp_ptr, ent_ptr, lse_ptr, N, V, D, temp,
+        HAS_BIAS: tl.constexpr, HAS_VALID: tl.constexpr, UPCAST: tl.constexpr,
+        ACC: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr):  # fmt: skip
+    rows, ok, live, tok = _rows(
+        tl.program_id(0).to(tl.int64) * BT, N, tok_ptr, valid_ptr, BT, HAS_VALID
+    )
+    m = tl.full([BT], -1.0e30, ACC)  # finite: exp(m - m_new) is never exp(-inf + inf)
+    s0 = tl.full([BT], 0.0, ACC)
+    s1 = tl.full([BT], 0.0, ACC)
+    zy = tl.full([BT], 0.0, ACC)
+    for v0 in range(0, V, BV):
+        cols = v0 + tl.arange(0, BV).to(tl.int64)
+        col_ok = cols < V
+        z = _tile(h_ptr, w_ptr, b_ptr, rows, live, cols, col_ok, D, temp,
+                  HAS_BIAS, UPCAST, ACC, BT, BV, BD)  # fmt: skip
+        z = tl.where(col_ok[None, :], z, float("-inf"))
+        m_new = tl.maximum(m, _max(z, 1))
+        alpha = tl.exp(m - m_new)
+        x = z - m_new[:, None]
+        e = tl.exp(x)
+        s1 = alpha * (s1 + (m - m_new) * s0) + _sum(tl.where(e > 0, e * x, 0.0), 1)
+        s0 = alpha * s0 + _sum(e, 1)
+        m = m_new
+        zy += _sum(tl.where(cols[None, :] == tok[:, None], z, 0.0), 1)
+    log_s0 = tl.log(s0)
+    lse = m + log_s0
+    tl.store(logp_ptr + rows, zy - lse, mask=ok)
+    tl.store(ent_ptr + rows, log_s0 - s1 / s0, mask=ok)
+    tl.store(lse_ptr + rows, lse, mask=ok)
+
+
+@triton.jit
+def bwd_hidden(h_ptr, w_ptr, b_ptr, tok_ptr, valid_ptr, lse_ptr, ent_ptr, a_ptr, bb_ptr,
+               gh_ptr, N, V, D, temp, HAS_BIAS: tl.constexpr, HAS_VALID: tl.constexpr,
+               HAS_B: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
+               BT: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr):  # fmt: skip
+    rows, ok, live, tok = _rows(
+        tl.program_id(0).to(tl.int64) * BT, N, tok_ptr, valid_ptr, BT, HAS_VALID
+    )
+    for v0 in range(0, V, BV):
+        cols = v0 + tl.arange(0, BV).to(tl.int64)
+        col_ok = cols < V
+        z = _tile(h_ptr, w_ptr, b_ptr, rows, live, cols, col_ok, D, temp,
+                  HAS_BIAS, UPCAST, ACC, BT, BV, BD)  # fmt: skip
+        g = _grad(z, rows, ok, live, tok, cols, col_ok, lse_ptr, ent_ptr, a_ptr, bb_ptr,
+                  temp, HAS_B).to(w_ptr.dtype.element_ty)  # fmt: skip
+        for k0 in range(0, D, BD):
+            ks = k0 + tl.arange(0, BD)
+            k_ok = ks < D
+            w = tl.load(w_ptr + cols[:, None] * D + ks[None, :],
+                        mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+            at = gh_ptr + rows[:, None] * D + ks[None, :]
+            both = ok[:, None] & k_ok[None, :]
+            acc = tl.load(at, mask=both, other=0.0)
+            tl.store(at, _dot(g, w, acc, UPCAST, ACC), mask=both)
+            tl.debug_barrier()  # this program's next read of the same rows sees it
+
+
+@triton.jit
+def bwd_weight(h_ptr, w_ptr, b_ptr, tok_ptr, valid_ptr, lse_ptr, ent_ptr, a_ptr, bb_ptr,
+               gw_ptr, gb_ptr, N, V, D, temp, HAS_BIAS: tl.constexpr,
+               HAS_VALID: tl.constexpr, HAS_B: tl.constexpr, NEED_W: tl.constexpr,
+               NEED_BIAS: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
+               BT: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr):  # fmt: skip
+    cols = tl.program_id(0).to(tl.int64) * BV + tl.arange(0, BV)
+    col_ok = cols < V
+    col_sum = tl.full([BV], 0.0, ACC)
+    for t0 in range(0, N, BT):
+        rows, ok, live, tok = _rows(t0, N, tok_ptr, valid_ptr, BT, HAS_VALID)
+        z = _tile(h_ptr, w_ptr, b_ptr, rows, live, cols, col_ok, D, temp,
+                  HAS_BIAS, UPCAST, ACC, BT, BV, BD)  # fmt: skip
+        g = _grad(z, rows, ok, live, tok, cols, col_ok, lse_ptr, ent_ptr, a_ptr, bb_ptr,
+                  temp, HAS_B).to(w_ptr.dtype.element_ty)  # fmt: skip
+        if NEED_BIAS:
+            col_sum += _sum(g.to(ACC), 0)
+        if NEED_W:
+            gt = tl.trans(g)
+            for k0 in range(0, D, BD):
+                ks = k0 + tl.arange(0, BD)
+                k_ok = ks < D
+                h = tl.load(h_ptr + rows[:, None] * D + ks[None, :],
+                            mask=live[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+                at = gw_ptr + cols[:, None] * D + ks[None, :]
+                both = col_ok[:, None] & k_ok[None, :]
+                acc = tl.load(at, mask=both, other=0.0)
+                tl.store(at, _dot(gt, h, acc, UPCAST, ACC), mask=both)
+                tl.debug_barrier()
+    if NEED_BIAS:
+        tl.store(gb_ptr + cols, col_sum, mask=col_ok)

@@ -1,0 +1,159 @@
+r"""Triton kernels from hidden states to log-probs, entropies and their gradients.
+
+Private; :mod:`dapo_ops.logprobs._triton_dispatch` selects them (``backend="triton"``). Triton is
+imported on the first call only (never at ``import dapo_ops``), and the kernels are
+defined then, once per mode (compiled, or Triton's interpreter under
+``TRITON_INTERPRET=1``, which runs them on CPU tensors). Three kernels, each over tiles of
+the logits ``z = (h W^T + b) / T`` formed on chip (``tl.dot`` over ``BLOCK_D`` slices of
+the hidden dimension, products accumulated in float32, float64 for float64 inputs):
+
+- :func:`forward_stats` (pass 1): per block of ``BLOCK_T`` tokens, a loop over the
+  vocabulary tiles keeping the online max ``m``, ``s0 = sum e^{z-m}``,
+  ``s1 = sum e^{z-m} (z - m)`` and the chosen token's logit; it writes per token only
+  ``logp = z_y - lse``, ``H = log s0 - s1 / s0`` and ``lse = m + log s0``.
+- :func:`backward_grads` (pass 2): two kernels that form the same tiles again and, on
+  chip, ``G = (a (delta_y - p) - b p (log p + H)) / T`` (``a``, ``b``: the upstream
+  gradients of ``logp`` and ``H`` per token); one per token block accumulates
+  ``dh = G W`` over the vocabulary tiles, one per vocabulary block accumulates
+  ``dW = G^T h`` and ``db = G^T 1`` over the token tiles. Each program owns its rows of
+  the result (a float32 buffer it reads and writes, ordered by a barrier): no atomics,
+  the same bits on every run.
+
+``G`` is rounded to the input dtype before its two matmuls (bfloat16 tensor cores), as
+the chunked path does. Token rows with ``valid`` false are read as zeros and get a zero
+gradient row. The derivation: ``docs/linear_loss.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import os
+import sys
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """Tile sizes (powers of two, >= 16 for ``tl.dot``): tokens, vocabulary, hidden."""
+
+    tokens: int = 64
+    vocab: int = 128
+    dim: int = 64
+
+
+#: On a GPU: a first choice, not yet tuned (issue 30: measured in a GPU session).
+GPU_BLOCKS = Blocks()
+#: Under the interpreter: the smallest legal tiles (it runs each program in numpy).
+INTERPRET_BLOCKS = Blocks(16, 32, 16)
+
+
+def interpreting() -> bool:
+    """Whether Triton runs its interpreter (``TRITON_INTERPRET=1``, read per call)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+@functools.lru_cache(maxsize=2)
+def kernels(interpret: bool) -> Any:
+    """The kernel module, loaded once per mode under its own name, with
+    ``TRITON_INTERPRET`` set to ``interpret`` while ``triton.jit`` defines the kernels."""
+    name = "dapo_ops.logprobs._triton_kernels" + ("_interpreted" if interpret else "")
+    spec = importlib.util.find_spec("dapo_ops.logprobs._triton_kernels")
+    assert spec is not None and spec.origin is not None
+    spec = importlib.util.spec_from_file_location(name, spec.origin)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    try:
+        sys.modules[name] = module  # the interpreter looks kernels' globals up there
+        spec.loader.exec_module(module)
+    finally:
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+    return module
+
+
+def _common(h: Tensor, blocks: Blocks | None) -> tuple[Any, dict[str, Any], Blocks]:
+    interpret = interpreting()
+    ks = kernels(interpret)
+    tl = ks.tl
+    b = blocks or (INTERPRET_BLOCKS if interpret else GPU_BLOCKS)
+    meta = {
+        "UPCAST": interpret and h.dtype == torch.bfloat16,
+        "ACC": tl.float64 if h.dtype == torch.float64 else tl.float32,
+        "BT": b.tokens,
+        "BV": b.vocab,
+        "BD": b.dim,
+    }
+    return ks, meta, b
+
+
+def _grid(n: int, block: int) -> tuple[int]:
+    return ((n + block - 1) // block,)
+
+
+def forward_stats(
+    h: Tensor,
+    w: Tensor,
+    bias: Tensor | None,
+    tok: Tensor,
+    valid: Tensor | None,
+    temperature: float,
+    blocks: Blocks | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(logp, entropy, lse)`` per row of contiguous ``h [N, D]``, in the compute dtype.
+    ``tok`` int64 ids in ``[0, V)``; ``valid`` int8 or None (every row)."""
+    n, vocab, dim = h.shape[0], w.shape[0], w.shape[1]
+    cdt = torch.float64 if h.dtype == torch.float64 else torch.float32
+    logp, ent, lse = (h.new_empty(n, dtype=cdt) for _ in range(3))
+    if n == 0:
+        return logp, ent, lse
+    ks, meta, b = _common(h, blocks)
+    ks.fwd[_grid(n, b.tokens)](
+        h, w, h if bias is None else bias, tok, tok if valid is None else valid,
+        logp, ent, lse, n, vocab, dim, float(temperature),
+        HAS_BIAS=bias is not None, HAS_VALID=valid is not None, **meta,
+    )  # fmt: skip
+    return logp, ent, lse
+
+
+def backward_grads(
+    h: Tensor,
+    w: Tensor,
+    bias: Tensor | None,
+    tok: Tensor,
+    valid: Tensor | None,
+    stats: tuple[Tensor, Tensor, Tensor, Tensor | None],
+    temperature: float,
+    need: tuple[bool, bool, bool],
+    blocks: Blocks | None = None,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """``(dh, dW, db)`` in the inputs' dtype (None where not in ``need``), of
+    ``sum_t a_t logp_t + b_t H_t``; ``stats = (lse, H, a, b or None)``, compute dtype."""
+    n, vocab, dim = h.shape[0], w.shape[0], w.shape[1]
+    cdt = torch.float64 if h.dtype == torch.float64 else torch.float32
+    gh = h.new_zeros((n, dim), dtype=cdt) if need[0] else None
+    gw = w.new_zeros((vocab, dim), dtype=cdt) if need[1] else None
+    gb = w.new_zeros(vocab, dtype=cdt) if need[2] else None
+    if n and any(need):
+        lse, ent, a, b_vec = stats
+        ks, meta, b = _common(h, blocks)
+        args = (h, w, h if bias is None else bias, tok, tok if valid is None else valid,
+                lse, ent, a, a if b_vec is None else b_vec)  # fmt: skip
+        flags = {"HAS_BIAS": bias is not None, "HAS_VALID": valid is not None,
+                 "HAS_B": b_vec is not None} | meta  # fmt: skip
+        if gh is not None:
+            ks.bwd_hidden[_grid(n, b.tokens)](*args, gh, n, vocab, dim, float(temperature), **flags)
+        if gw is not None or gb is not None:
+            ks.bwd_weight[_grid(vocab, b.vocab)](
+                *args, h if gw is None else gw, h if gb is None else gb, n, vocab, dim,
+                float(temperature), NEED_W=gw is not None, NEED_BIAS=gb is not None, **flags,
+            )  # fmt: skip
+    return tuple(None if g is None else g.to(h.dtype) for g in (gh, gw, gb))  # type: ignore[return-value]

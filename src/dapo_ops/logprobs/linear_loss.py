@@ -1,0 +1,313 @@
+r"""``linear_policy_loss``: from the last hidden states to the policy loss in one pass.
+
+What a trainer runs per micro-batch is ``hidden -> lm_head -> log-probs -> loss ->
+backward``. Composed from :func:`dapo_ops.fused_logprobs_entropy` and
+:func:`dapo_ops.policy_loss`, the log-probs' backward must form every chunk's logits
+again (the loss's gradient is not known in their forward): 4 matmuls over
+``[tokens, vocab]``. Here the loss is known, so each chunk's gradient is formed in the
+forward pass, while its logits are at hand: 3 matmuls, and no ``[tokens, vocab]`` tensor
+ever whole (:mod:`dapo_ops.logprobs._linear_loss`). The derivation and the memory/time trade-off
+are in ``docs/linear_loss.md``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from jaxtyping import Bool, Float, Integer
+from torch import Tensor
+from typing_extensions import Unpack
+
+from dapo_ops._core._checked import checks_values
+from dapo_ops._core._rules import AggregationMode, Normalizer, compute_dtype
+from dapo_ops._core._validate import (
+    InputError,
+    check_float,
+    check_same_device,
+    check_scalar,
+    shape_str,
+)
+from dapo_ops.diagnostics.measures import PolicyDiagnostics, objective_diagnostics
+from dapo_ops.engine._engine import LossSpec
+from dapo_ops.engine.checks import (
+    check_constants,
+    check_loss_options,
+    normalizer_tensor,
+    objective_inputs,
+)
+from dapo_ops.engine.kl import KLPenalty
+from dapo_ops.engine.policy import LossOptions
+from dapo_ops.logprobs._fused_linear import DEFAULT_FUSED_CHUNK_ELEMENTS
+from dapo_ops.logprobs._linear_loss import LinearInputs, LinearPolicyLoss, LinearSpec, forward_pass
+from dapo_ops.logprobs._logprob_checks import (
+    auto_chunk,
+    check_options,
+    check_projection,
+    check_tokens,
+)
+from dapo_ops.logprobs._triton_dispatch import Backend, triton_policy_loss, use_triton
+from dapo_ops.logprobs._truncation import truncation
+from dapo_ops.objectives import ClipHigher, Objective
+
+__all__ = [
+    "LinearDiagnostics",
+    "linear_policy_loss",
+    "linear_policy_loss_with_diagnostics",
+]
+
+#: The default objective: DAPO's Clip-Higher (eps_low 0.2, eps_high 0.28).
+DAPO_CLIP = ClipHigher()
+
+
+class LinearOptions(LossOptions, total=False):
+    """The keyword options of :func:`linear_policy_loss`."""
+
+    objective: Objective
+    bias: Tensor | None
+    temperature: float
+    entropy_coef: float | Tensor
+    chunk_size: int | None
+    backend: Backend
+    top_k: int | None
+    top_p: float | None
+    min_p: float | None
+
+
+class LinearDiagnostics(NamedTuple):
+    """What :func:`linear_policy_loss_with_diagnostics` measured on the way, detached.
+
+    ``policy``: :class:`PolicyDiagnostics` (clip counts and fractions, ratio statistics,
+    approximate KL, and the entropy's sum over the valid tokens: ``policy.entropy`` is
+    its mean), 0-dim float64 tensors that add across micro-batches and ranks. ``logp``
+    and ``entropy``: the per-token log-probs and entropies the loss used, ``[batch,
+    seq]`` in float32 (float64 for float64 hidden states), for logging or as the next
+    step's ``old_logp`` (at masked positions: those of a zero hidden row, unused). No
+    host sync.
+    """
+
+    policy: PolicyDiagnostics
+    logp: Float[Tensor, "batch seq"]
+    entropy: Float[Tensor, "batch seq"]
+
+
+def _prepare(
+    hidden: object,
+    weight: object,
+    tokens: object,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    options: LinearOptions,
+    entropy: bool,
+) -> tuple[LinearSpec, Tensor, Tensor, Tensor | None, LinearInputs]:
+    """Check every argument (metadata only, plus the valid token ids' range)."""
+    o = options
+    h, w, b = check_projection(hidden, weight, o.get("bias"), "[batch, seq, d]")
+    objective = o.get("objective", DAPO_CLIP)
+    mode, max_len, kl = o.get("mode", "token_mean"), o.get("max_len"), o.get("kl")
+    ref_logp, is_weights = o.get("ref_logp"), o.get("is_weights")
+    check_loss_options(objective, mode=mode, max_len=max_len, kl=kl, ref_logp=ref_logp)
+    temperature, chunk_size = o.get("temperature", 1.0), o.get("chunk_size")
+    check_options(temperature, chunk_size)
+    trunc = truncation(o.get("top_k"), o.get("top_p"), o.get("min_p"))
+    check_float("old_logp", old_logp)
+    if old_logp.shape != h.shape[:2]:
+        raise InputError(
+            f"old_logp must have shape [batch, seq] = hidden's leading dims "
+            f"{list(h.shape[:2])}, got {shape_str(old_logp)}"
+        )
+    adv, valid, _ = objective_inputs(
+        objective, old_logp, old_logp, advantages, mask, device_of=("hidden", h),
+        names=("old_logp", "old_logp"),
+    )  # fmt: skip
+    check_constants(
+        (("ref_logp", ref_logp), ("is_weights", is_weights)),
+        shape_of=("old_logp", old_logp),
+        device_of=("hidden", h),
+    )
+    den = normalizer_tensor(o.get("normalizer"), compute_dtype(h, old_logp, adv), h.device)
+    coef = check_scalar("entropy_coef", o.get("entropy_coef", 0.0))
+    if isinstance(coef, Tensor):
+        check_same_device("entropy_coef", coef, "hidden", h)
+    vocab = w.shape[0]
+    tok = check_tokens(tokens, h.shape[:2], f"hidden {shape_str(h)}", vocab, valid)
+    check_same_device("tokens", tok, "hidden", h)
+    chunk = auto_chunk(chunk_size, vocab, h.device, DEFAULT_FUSED_CHUNK_ELEMENTS)
+    wants_entropy = entropy or isinstance(coef, Tensor) or coef != 0.0
+    spec = LinearSpec(
+        LossSpec(objective, kl, mode, max_len), float(temperature), chunk, wants_entropy, trunc
+    )
+    ids = torch.where(valid, tok, 0).to(torch.int64)
+    inputs = LinearInputs(ids, old_logp, adv, valid, ref_logp, is_weights, den, coef)
+    return spec, h, w, b, inputs
+
+
+def _run(
+    spec: LinearSpec, h: Tensor, w: Tensor, b: Tensor | None, t: LinearInputs, o: LinearOptions
+) -> tuple[Tensor, Tensor, Tensor]:
+    if use_triton(o.get("backend", "auto"), h.device, o.get("chunk_size"), spec.trunc is not None):
+        return triton_policy_loss(spec, h, w, b, t)
+    need = tuple(torch.is_grad_enabled() and x is not None and x.requires_grad for x in (h, w, b))
+    if any(need):
+        return LinearPolicyLoss.apply(h, w, b, spec, t)  # type: ignore[no-any-return,no-untyped-call]
+    loss, logp, ent, _ = forward_pass(spec, h, w, b, t, (False, False, False))
+    return loss, logp, logp.new_zeros(0) if ent is None else ent
+
+
+@checks_values
+def linear_policy_loss(
+    hidden: Float[Tensor, "batch seq d"],
+    weight: Float[Tensor, "vocab d"],
+    tokens: Integer[Tensor, "batch seq"],
+    old_logp: Float[Tensor, "batch seq"],
+    advantages: Float[Tensor, " batch"] | Float[Tensor, "batch 1"] | Float[Tensor, "batch seq"],
+    mask: Bool[Tensor, "batch seq"] | Integer[Tensor, "batch seq"],
+    *,
+    objective: Objective = DAPO_CLIP,
+    bias: Float[Tensor, " vocab"] | None = None,
+    temperature: float = 1.0,
+    mode: AggregationMode = "token_mean",
+    normalizer: Normalizer = None,
+    max_len: int | None = None,
+    ref_logp: Float[Tensor, "batch seq"] | None = None,
+    kl: KLPenalty | None = None,
+    is_weights: Float[Tensor, "batch seq"] | None = None,
+    entropy_coef: float | Float[Tensor, ""] = 0.0,
+    chunk_size: int | None = None,
+    backend: Backend = "auto",
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+) -> Float[Tensor, ""]:
+    r"""The policy loss straight from the last hidden states: 3 matmuls, no logits tensor.
+
+    .. math::
+
+        \log\pi_{i,t} = \log\mathrm{softmax}\big((h_{i,t} W^\top + b)/T\big)_{y_{i,t}},
+        \qquad
+        \mathcal{L} = \mathrm{policy\_loss}(\log\pi, \ldots)
+            - c\cdot\mathrm{agg}(H, m)
+
+    with :func:`policy_loss`'s composition (``objective``'s term, ``is_weights``, the
+    ``kl`` penalty against ``ref_logp``, aggregation ``mode`` with ``normalizer`` and
+    ``max_len``) and the entropy bonus ``c = entropy_coef`` times the entropy
+    :math:`H_{i,t}` of the same distribution, aggregated the same way (verl's actor:
+    ``pg_loss - entropy_coeff * agg_loss(entropy)``; :func:`entropy_bonus`). It equals
+    ``h @ W.T`` -> ``log_softmax`` -> ``gather`` -> :func:`policy_loss` (minus the
+    bonus), and its gradients equal that path's, but the tokens are walked in chunks: a
+    chunk's logits, log-probs and entropies, the objective's ``d loss / d logp``
+    through the engine, and at once the chunk's ``grad_hidden = G W`` and its share of
+    ``grad_weight = G^T h`` (``G`` the gradient w.r.t. the chunk's logits). Backward
+    only scales those by the incoming gradient. See ``docs/linear_loss.md``.
+
+    Memory: beyond the inputs, the weight gradient (``[vocab, d]``, summed in float32)
+    and one chunk's ``[chunk, vocab]`` float32 buffer, plus a small scratch when the
+    entropy is needed (``entropy_coef`` or the diagnostics); never a ``[tokens, vocab]``
+    tensor. Time: 3 matmuls of ``[tokens, d] x [d, vocab]``, against 4 for
+    :func:`fused_logprobs_entropy` then :func:`policy_loss`.
+
+    Every objective works: chunks of tokens for those whose per-token loss reads only
+    its token (Clip-Higher, CISPO, SAPO, DPPO, DRO, REINFORCE, the ratio surrogate),
+    whole sequences for the others (GSPO, GMPO, VESPO, your own), a sequence longer than
+    a chunk walked twice (its logits formed again: 4 matmuls for those rows). Objectives
+    without ``grad`` are differentiated by autograd, one chunk at a time.
+
+    Shapes: hidden ``[batch, seq, d]``; weight ``[vocab, d]`` (``lm_head.weight``); bias
+    ``[vocab]`` or None (one dtype and device with hidden); tokens ``[batch, seq]``
+    integer ids in ``[0, vocab)`` at unmasked positions (checked with one host sync,
+    eager only; masked positions may hold anything, e.g. -100); old_logp, mask, ref_logp,
+    is_weights ``[batch, seq]``; advantages ``[batch]``, ``[batch, 1]`` or
+    ``[batch, seq]``. Returns a 0-dim float32 loss (float64 if hidden, old_logp or the
+    advantages are float64); gradients reach hidden, weight and bias in their dtype
+    (bfloat16/float16 matmuls run in it, the softmax and the loss in float32, the
+    weight gradient summed over chunks in float32).
+
+    Masked positions reach neither the loss nor any gradient, whatever they hold (NaN
+    hidden rows included). With ``normalizer=global_normalizer(masks, mode=...)`` the
+    losses and gradients of a step's micro-batches and ranks add up to the whole
+    batch's. ``old_logp``, ``advantages``, ``ref_logp``, ``is_weights``, a ``normalizer``
+    or ``entropy_coef`` tensor must not require grad.
+
+    Options (defaults: ``ClipHigher()`` with DAPO's ``eps_low=0.2, eps_high=0.28`` and
+    ``mode="token_mean"``, DAPO sec. 3.1 and 3.3; the others as :func:`policy_loss`):
+        objective: any :class:`Objective` value.
+        temperature: the sampling temperature ``T > 0``; the logits are divided by it.
+        entropy_coef: ``c``, a finite number or a 0-dim tensor (e.g. from
+            :func:`adaptive_entropy_coef`); 0 adds no term and computes no entropy.
+        chunk_size: tokens per chunk; ``None`` picks ``max(1, E // vocab)`` with
+            ``E = 2**25`` on CPU, ``2**27`` on GPUs (:func:`fused_logprobs_entropy`'s).
+        backend: ``"chunked"`` (the chunks above), ``"triton"`` (Triton kernels that keep
+            each tile of logits on chip: CUDA tensors, or CPU ones under
+            ``TRITON_INTERPRET=1``; eager only, no ``chunk_size``) or ``"auto"``: the
+            chunked path for now, the kernels on CUDA once measured there
+            (``docs/linear_loss.md``).
+        top_k, top_p, min_p: the rollout sampler's truncation (vLLM's rules; None: off,
+            bit for bit today's loss): :math:`\log\pi` and :math:`H` of the distribution
+            renormalised over the kept set and the chosen token, as in
+            :func:`token_logprobs`; exact on each chunk's full rows, gradients exact for
+            the kept set.
+
+    Double backward (``create_graph=True``) differentiates the definition (the whole
+    logits, the naive path's memory). Under ``torch.compile(fullgraph=True)`` the chunks
+    are traced as functional ops (objectives with ``grad``).
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> hidden = torch.randn(2, 5, 8, generator=g, requires_grad=True)
+        >>> weight = torch.randn(32, 8, generator=g, requires_grad=True)
+        >>> tokens = torch.randint(0, 32, (2, 5), generator=g)
+        >>> mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 0, 0, 0]]).bool()
+        >>> from dapo_ops import fused_logprobs_entropy
+        >>> with torch.no_grad():
+        ...     old = fused_logprobs_entropy(hidden, weight, tokens).logp
+        >>> loss = linear_policy_loss(hidden, weight, tokens, old, torch.tensor([1.0, -1.0]), mask)
+        >>> loss.backward()
+        >>> hidden.grad.shape, weight.grad.shape
+        (torch.Size([2, 5, 8]), torch.Size([32, 8]))
+    """
+    options: LinearOptions = {  # a plain dict: torch.compile traces it
+        "objective": objective, "bias": bias, "temperature": temperature, "mode": mode,
+        "normalizer": normalizer, "max_len": max_len, "ref_logp": ref_logp, "kl": kl,
+        "is_weights": is_weights, "entropy_coef": entropy_coef, "chunk_size": chunk_size,
+        "backend": backend,
+        "top_k": top_k, "top_p": top_p, "min_p": min_p,
+    }  # fmt: skip
+    spec, h, w, b, t = _prepare(hidden, weight, tokens, old_logp, advantages, mask, options, False)
+    return _run(spec, h, w, b, t, options)[0]
+
+
+@checks_values
+def linear_policy_loss_with_diagnostics(
+    hidden: Float[Tensor, "batch seq d"],
+    weight: Float[Tensor, "vocab d"],
+    tokens: Integer[Tensor, "batch seq"],
+    old_logp: Float[Tensor, "batch seq"],
+    advantages: Float[Tensor, " batch"] | Float[Tensor, "batch 1"] | Float[Tensor, "batch seq"],
+    mask: Bool[Tensor, "batch seq"] | Integer[Tensor, "batch seq"],
+    **options: Unpack[LinearOptions],
+) -> tuple[Float[Tensor, ""], LinearDiagnostics]:
+    """:func:`linear_policy_loss` (same arguments and keyword options) and what it saw.
+
+    Returns ``(loss, LinearDiagnostics(policy, logp, entropy))``:
+    :func:`objective_diagnostics` of the objective on the log-probs the loss used (clip
+    fractions, ratio statistics, approximate KL) with the entropy's sum (``.entropy``:
+    its mean over the valid tokens), and those log-probs and entropies, all detached
+    and on the device (no host sync beyond :func:`linear_policy_loss`'s one, the token-id
+    range check). The entropies cost one more pass over each chunk and a small scratch
+    buffer.
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> hidden, weight = torch.randn(1, 3, 4, generator=g), torch.randn(10, 4, generator=g)
+        >>> tokens, mask = torch.tensor([[1, 2, 3]]), torch.ones(1, 3, dtype=torch.bool)
+        >>> loss, d = linear_policy_loss_with_diagnostics(
+        ...     hidden, weight, tokens, torch.full((1, 3), -2.0), torch.tensor([1.0]), mask)
+        >>> tuple(d.logp.shape), bool(d.policy.entropy > 0)
+        ((1, 3), True)
+    """
+    spec, h, w, b, t = _prepare(hidden, weight, tokens, old_logp, advantages, mask, options, True)
+    loss, logp, entropy = _run(spec, h, w, b, t, options)
+    objective = spec.loss.objective
+    policy = objective_diagnostics(objective, logp, old_logp, advantages, mask, entropy=entropy)
+    return loss, LinearDiagnostics(policy, logp.detach(), entropy.detach())

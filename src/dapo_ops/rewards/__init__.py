@@ -1,0 +1,17 @@
+"""Rewards and sampling: overlong shaping and filtering, dynamic sampling, PF-PPO resampling.
+
+This package's face: it only re-exports; the code lives in its modules."""
+
+from dapo_ops.rewards.overlong import overlong_filter, overlong_reward
+from dapo_ops.rewards.pf_ppo import pf_ppo_resample, pf_ppo_weights
+from dapo_ops.rewards.sampling import dynamic_sample_mask, kept_group_fraction, prompts_to_generate
+
+__all__ = [
+    "dynamic_sample_mask",
+    "kept_group_fraction",
+    "overlong_filter",
+    "overlong_reward",
+    "pf_ppo_resample",
+    "pf_ppo_weights",
+    "prompts_to_generate",
+]

@@ -1,0 +1,199 @@
+"""backend="triton": the Triton kernels of the linear loss and the fused log-probs.
+
+Run on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``, set per test, so
+no other module sees it); skipped when triton is not installed. Small shapes that are not
+multiples of the interpreter's tiles (16 tokens x 32 vocabulary x 16 hidden): vocab 13
+(less than one tile) and 45 (two, ragged), 24 and 36 tokens, hidden dim 5 and 16.
+Float64 results against the naive path within ``testing.F64_RTOL`` (the kernels run in
+float64 too); float32 and bfloat16 within the derived bounds of
+``tests/test_linear_loss.py``. The same cases run on a GPU in ``tests/test_cuda.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from _bounds import assert_within
+from test_linear_loss import (
+    CASES,
+    assert_f64,
+    case_inputs,
+    float32_bounds,
+    grads,
+    linear,
+    naive_loss,
+    problem,
+)
+
+import dapo_ops as d
+from dapo_ops import testing
+from dapo_ops.objectives import OBJECTIVES
+
+pytest.importorskip("triton")
+F64 = torch.float64
+TRITON = {"backend": "triton"}
+
+
+@pytest.fixture(autouse=True)
+def interpreter(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """``TRITON_INTERPRET=1`` for this test only (the kernels' module is loaded in that
+    mode by ``dapo_ops.logprobs._triton_linear.kernels``; Triton itself may have been imported in
+    either). Triton 3.6's interpreter reads a scalar loop bound with ``int()`` of a
+    1-element array, which NumPy 2.4 refuses: here it reads the single element instead
+    (Triton fixed it in a later release)."""
+    from triton.runtime import interpreter as interp
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    original = interp._patch_lang_tensor
+
+    def patch(tensor: Any, scope: Any) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda x: int(x.handle.data.reshape(-1)[0]))
+
+    monkeypatch.setattr(interp, "_patch_lang_tensor", patch)
+    with warnings_off():
+        yield
+
+
+def warnings_off() -> Any:
+    """NumPy's warning for ``0 * -inf`` in a branch ``tl.where`` discards."""
+    import numpy as np
+
+    return np.errstate(invalid="ignore")
+
+
+def without_chunks(opts: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in opts.items() if k != "chunk_size"} | TRITON
+
+
+@pytest.mark.parametrize(("objective", "opts"), CASES)
+def test_float64_equals_naive(objective: d.Objective, opts: dict[str, Any]) -> None:
+    """The linear loss's float64 cases (bias, temperature, KL, IS weights, entropy bonus,
+    sequence objectives) on the kernels: loss and the three gradients."""
+    p, opts = case_inputs(opts)
+    got = grads(linear(objective, p, without_chunks(opts)), p)
+    assert_f64(got, grads(naive_loss(objective, p, opts), p), "triton vs naive")
+
+
+@pytest.mark.parametrize("i", range(len(OBJECTIVES)), ids=[c.__name__ for c in OBJECTIVES])
+def test_every_objective_and_mode(i: int) -> None:
+    """Every objective, each with one aggregation mode (all modes across them), entropy
+    bonus and temperature, vocab 45 (two tiles) and no bias on odd ones."""
+    objective, mode = OBJECTIVES[i](), testing.MODES[i % len(testing.MODES)]
+    p = problem(4, 6, 5, 45, seed=10 + i)
+    opts: dict[str, Any] = {"mode": mode, "temperature": 0.8, "entropy_coef": 0.03}
+    bias = i % 2 == 0
+    got = grads(linear(objective, p, opts | TRITON), p, bias=bias)
+    assert_f64(got, grads(naive_loss(objective, p, opts), p, bias=bias), f"{objective!r} {mode}")
+
+
+@pytest.mark.parametrize("objective", [d.ClipHigher(), d.GSPO()])
+def test_micro_batches_add_up(objective: d.Objective) -> None:
+    """Micro-batches normalised by the step's global count add up to the whole batch."""
+    p, mode = problem(), "seq_mean_token_mean"
+    opts: dict[str, Any] = {"mode": mode, "entropy_coef": 0.02} | TRITON
+    whole = grads(linear(objective, p, opts), p)
+    parts = [slice(0, 1), slice(1, 4)]
+    den = d.global_normalizer([p["mask"][s] for s in parts], mode=mode)
+    pieces = []
+    for s in parts:
+        q = {
+            k: v[s] if k in ("hidden", "tokens", "old", "adv", "mask") else v for k, v in p.items()
+        }
+        pieces.append(grads(linear(objective, q, opts | {"normalizer": den}), q))
+    summed = [torch.cat([x[1][0] for x in pieces]), *(sum(x[1][j] for x in pieces) for j in (1, 2))]
+    total = torch.stack([x[0] for x in pieces]).sum()
+    assert_f64((total, summed), whole, f"{objective!r}: micro-batches")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_low_precision_within_derived_bounds(dtype: torch.dtype) -> None:
+    """float32 / bfloat16 inputs (tiles accumulated in float32, ``G`` rounded to the input
+    dtype before its matmuls): within the bounds of the exact values."""
+    objective, coef = d.ClipHigher(), 0.05
+    p = problem(4, 9, 16, 100, seed=3, dtype=dtype)
+    loss, got = grads(linear(objective, p, {"entropy_coef": coef} | TRITON), p)
+    assert loss.dtype == torch.float32 and all(g.dtype == dtype for g in got)
+    want_loss, loss_err, want, errs = float32_bounds(objective, p, coef, dtype)
+    assert_within(loss, want_loss, loss_err, "loss")
+    for name, x, y, e in zip(("hidden", "weight", "bias"), got, want, errs, strict=True):
+        assert_within(x, y, e, f"{dtype} d {name}")
+
+
+def test_masked_positions_change_nothing() -> None:
+    """NaN / inf hidden rows and per-token inputs at masked positions, -100 ids there: the
+    same loss and gradients, bit for bit."""
+    p = problem(dtype=torch.float32)
+    mask = p["mask"]
+    dirty = dict(p)
+    dirty["hidden"] = torch.where(mask[..., None], p["hidden"], math.nan)
+    for k in ("old", "ref", "rho"):
+        dirty[k] = torch.where(mask, p[k], math.inf)
+    dirty["tokens"] = torch.where(mask, p["tokens"], -100)
+    results = []
+    for q in (p, dirty):
+        opts = {"kl": d.KLPenalty(), "ref_logp": q["ref"], "is_weights": q["rho"]}
+        results.append(grads(linear(d.ClipHigher(), q, opts | {"entropy_coef": 0.05} | TRITON), q))
+    (l0, g0), (l1, g1) = results
+    assert torch.equal(l0, l1)
+    for x, y in zip(g0, g1, strict=True):
+        assert torch.equal(x, y)
+
+
+def test_diagnostics_and_no_grad() -> None:
+    """The diagnostics' log-probs and entropies equal the chunked path's (float64, within
+    F64_RTOL); under no_grad the same loss as with autograd."""
+    p = problem()
+    args = (p["hidden"], p["weight"], p["tokens"], p["old"], p["adv"], p["mask"])
+    kw: dict[str, Any] = {"bias": p["bias"], "temperature": 0.9}
+    loss, diag = d.linear_policy_loss_with_diagnostics(*args, **kw, backend="triton")
+    ref_loss, ref = d.linear_policy_loss_with_diagnostics(*args, **kw, backend="chunked")
+    mask = p["mask"]
+    for got, want in ((diag.logp, ref.logp), (diag.entropy, ref.entropy), (loss, ref_loss)):
+        assert_within(got[mask] if got.ndim else got, want[mask] if want.ndim else want,
+                      testing.F64_RTOL * (want.abs().max() + 1), "diagnostics")  # fmt: skip
+    h = p["hidden"].clone().requires_grad_(True)
+    with_grad = d.linear_policy_loss(h, *args[1:], **kw, backend="triton")
+    assert torch.equal(with_grad.detach(), loss)
+
+
+def test_fused_logprobs_entropy() -> None:
+    """Log-probs and entropies with gradients from both outputs (float64 gradcheck), and
+    one output's gradient alone."""
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(2, 5, 5, generator=g, dtype=F64, requires_grad=True)
+    w = torch.randn(20, 5, generator=g, dtype=F64, requires_grad=True)
+    b = torch.randn(20, generator=g, dtype=F64, requires_grad=True)
+    tokens = torch.randint(0, 20, (2, 5), generator=g)
+
+    def fn(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(d.fused_logprobs_entropy(h, w, tokens, bias=b, temperature=0.7, **TRITON))
+
+    assert torch.autograd.gradcheck(fn, (h, w, b), fast_mode=True)
+    logp, ent = fn(h, w, b)
+    want = d.fused_logprobs_entropy(h, w, tokens, bias=b, temperature=0.7)
+    for x, y in ((logp, want.logp), (ent, want.entropy)):
+        assert_within(x.detach(), y.detach(), testing.F64_RTOL * (y.abs() + 1), "fused")
+    (gw,) = torch.autograd.grad(ent.sum(), [w])
+    (gw_want,) = torch.autograd.grad(want.entropy.sum(), [w])
+    assert_within(gw, gw_want, testing.F64_RTOL * (gw_want.abs() + gw_want.abs().max()), "dW")
+
+
+def test_backend_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bad backend, chunk_size with the kernels, and CPU tensors without the
+    interpreter are refused, naming the argument."""
+    p = problem(dtype=torch.float32)
+    args = (p["hidden"], p["weight"], p["tokens"], p["old"], p["adv"], p["mask"])
+    with pytest.raises(ValueError, match="backend"):  # InputError, or the annotation's
+        d.linear_policy_loss(*args, backend="cuda")  # type: ignore[arg-type]
+    with pytest.raises(d.InputError, match="chunk_size"):
+        d.linear_policy_loss(*args, backend="triton", chunk_size=4)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(d.InputError, match="TRITON_INTERPRET"):
+        d.fused_logprobs_entropy(p["hidden"], p["weight"], p["tokens"], backend="triton")
+    auto = d.linear_policy_loss(*args)  # "auto": the chunked path on CPU
+    assert torch.equal(auto, d.linear_policy_loss(*args, backend="chunked"))
