@@ -286,3 +286,15 @@ def test_a_raw_error_is_explained_by_the_value_that_caused_it() -> None:
     assert isinstance(info.value.__cause__, RuntimeError)
     with d.checked(), pytest.raises(RuntimeError, match="deep inside"):  # no value to blame
         wrapped(torch.tensor([[-3.0]]), torch.tensor([[True]]))
+
+
+def test_a_stack_of_teachers_is_checked_at_each_teachers_valid_positions() -> None:
+    logp = -torch.rand(2, 3)
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    teachers = -torch.rand(2, 2, 3)
+    teachers[0, 0, 2] = 5.0  # masked: read by nobody
+    with d.checked():
+        d.distill_loss(logp, teachers, mask)
+    teachers[1, 1, 0] = 0.25
+    with d.checked(), pytest.raises(d.InputError, match=r"teacher_logp\[1, 1, 0\] = 0.25"):
+        d.distill_loss(logp, teachers, mask)

@@ -62,10 +62,10 @@ class checked(contextlib.ContextDecorator):  # lowercase, like torch.no_grad
 
     - an integer mask (``mask``, ``masks``) holds anything but 0 and 1;
     - a log-probability (``logp``, ``old_logp``, ``ref_logp``, ``rollout_logp``,
-      ``sampling_logp``) is not ``<= 0`` (positive, +inf or NaN; -inf is allowed) at a
+      ``sampling_logp``, ``teacher_logp``) is not ``<= 0`` (positive, +inf or NaN; -inf is allowed) at a
       valid position (where the mask is nonzero: logits or probabilities passed as
       log-probs);
-    - ``advantages`` are not finite at a valid position (a ``[batch]`` or ``[batch, 1]``
+    - ``advantages`` (``task_advantages``) are not finite at a valid position (a ``[batch]`` or ``[batch, 1]``
       advantage: in a row with a valid token);
     - per-sample verdicts ``keep`` disagree within a group of ``group_ids``.
 

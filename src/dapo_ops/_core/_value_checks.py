@@ -6,7 +6,8 @@ parameter names, covers them all (tests/test_checked.py keeps the names in step)
 - masks (:data:`MASKS`): an integer mask holds only 0 and 1 (bool needs no check; a
   float mask is refused by the dtype check of every call);
 - log-probabilities (:data:`LOG_PROBS`): ``<= 0`` at valid positions (where the mask is
-  nonzero; everywhere without a mask). -inf is the log-probability of 0; NaN and +inf
+  nonzero; everywhere without a mask; a stack ``[teachers, batch, seq]`` against each
+  teacher's positions). -inf is the log-probability of 0; NaN and +inf
   fail, as does any positive value (logits or probabilities passed as log-probs);
 - advantages (:data:`ADVANTAGES`): finite at valid positions (``[batch]`` or
   ``[batch, 1]``: in the rows with a valid token);
