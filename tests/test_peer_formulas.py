@@ -21,7 +21,7 @@ F64 = torch.float64
 def _batch(seed: int, rows: int = 8, seq: int = 6) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
     logp = -torch.rand(rows, seq, generator=g, dtype=F64) * 2 - 0.05
-    old = logp + torch.randn(rows, seq, generator=g, dtype=F64) * 0.3
+    old = -(logp + torch.randn(rows, seq, generator=g, dtype=F64) * 0.3).abs()  # log-probs
     adv = torch.randn(rows, generator=g, dtype=F64)
     adv[0] = 0.0
     mask = torch.rand(rows, seq, generator=g) < 0.8
