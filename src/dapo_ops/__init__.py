@@ -52,6 +52,11 @@ from dapo_ops.engine.surrogate import clip_higher_surrogate, per_token_loss
 from dapo_ops.engine.surrogate_cispo import cispo_surrogate
 from dapo_ops.engine.surrogate_gspo import gspo_sequence_ratio, gspo_surrogate
 from dapo_ops.engine.value import ValueLoss, value_loss
+from dapo_ops.logprobs.linear_distill import (
+    DistillDiagnostics,
+    linear_distill_loss,
+    linear_distill_loss_with_diagnostics,
+)
 from dapo_ops.logprobs.linear_loss import (
     LinearDiagnostics,
     linear_policy_loss,
@@ -107,6 +112,7 @@ __all__ = [
     "BatchDiagnostics",
     "ClipHigher",
     "CompiledPolicyLoss",
+    "DistillDiagnostics",
     "EntropyCoef",
     "InputError",
     "KLPenalty",
@@ -146,6 +152,8 @@ __all__ = [
     "kl_cov_mask",
     "kl_penalty",
     "kl_reward",
+    "linear_distill_loss",
+    "linear_distill_loss_with_diagnostics",
     "linear_policy_loss",
     "linear_policy_loss_with_diagnostics",
     "masked_whiten",
