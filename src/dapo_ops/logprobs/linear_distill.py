@@ -146,8 +146,8 @@ def _prepare(
         _number("log_prob_min_clamp", clamp, isinstance(clamp, (int, float)) and math.isfinite(clamp) and on_topk,
                 "a finite number (or None) on the top-k path (teacher_ids or topk)")  # fmt: skip
     if loss_clamp is not None:
-        _number("loss_clamp", loss_clamp, isinstance(loss_clamp, (int, float)) and loss_clamp > 0,
-                "a number > 0 or None")  # fmt: skip
+        _number("loss_clamp", loss_clamp, isinstance(loss_clamp, (int, float)) and 0 < loss_clamp < math.inf,
+                "a finite number > 0 or None")  # fmt: skip
     given = check_normalizer(o.get("normalizer"))
     den = None
     if given is not None:
