@@ -30,6 +30,7 @@ from dapo_ops.advantages.returns import (
 )
 from dapo_ops.correction.cov_masks import clip_cov_mask, kl_cov_mask
 from dapo_ops.correction.importance import rejection_mask, truncated_is_weights
+from dapo_ops.correction.m2po import m2po_mask
 from dapo_ops.correction.masks import high_entropy_mask, off_policy_sequence_mask
 from dapo_ops.correction.offpolicy import OffPolicyMetrics, offpolicy_metrics
 from dapo_ops.diagnostics.measures import (
@@ -79,9 +80,14 @@ from dapo_ops.objectives import (
     RatioSurrogate,
 )
 from dapo_ops.presets import ObjectivePreset
-from dapo_ops.rewards.overlong import overlong_filter, overlong_reward
+from dapo_ops.rewards.overlong import overlong_filter, overlong_reward, truncation_penalty
 from dapo_ops.rewards.pf_ppo import pf_ppo_resample, pf_ppo_weights
-from dapo_ops.rewards.sampling import dynamic_sample_mask, kept_group_fraction, prompts_to_generate
+from dapo_ops.rewards.sampling import (
+    difficulty_band_mask,
+    dynamic_sample_mask,
+    kept_group_fraction,
+    prompts_to_generate,
+)
 
 __version__ = "0.1.0"
 
@@ -129,6 +135,7 @@ __all__ = [
     "cispo_surrogate",
     "clip_cov_mask",
     "clip_higher_surrogate",
+    "difficulty_band_mask",
     "distill_advantages",
     "distill_loss",
     "dynamic_sample_mask",
@@ -148,6 +155,7 @@ __all__ = [
     "kl_reward",
     "linear_policy_loss",
     "linear_policy_loss_with_diagnostics",
+    "m2po_mask",
     "masked_whiten",
     "maxrl_advantages",
     "objective_diagnostics",
@@ -175,5 +183,6 @@ __all__ = [
     "token_logprobs",
     "token_logprobs_and_entropy",
     "truncated_is_weights",
+    "truncation_penalty",
     "value_loss",
 ]
