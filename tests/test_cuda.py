@@ -258,9 +258,7 @@ def _no_sync_calls(b: Batch) -> dict[str, Callable[[], object]]:
         "kl_cov_mask": lambda: d.kl_cov_mask(b.logp.detach(), b.advantages, b.mask),
         "entropy_bonus": lambda: d.entropy_bonus(ent, b.mask, coef=0.01),
         "m2po_mask": lambda: d.m2po_mask(b.old_logp, b.logp.detach(), b.mask, threshold=0.04),
-        "truncation_penalty": lambda: d.truncation_penalty(
-            b.advantages, b.mask[:, 0], coef=0.5
-        ),
+        "truncation_penalty": lambda: d.truncation_penalty(b.advantages, b.mask[:, 0], coef=0.5),
     }
     return calls
 

@@ -168,7 +168,9 @@ def test_difficulty_band_bounds_and_dynamic_sampling() -> None:
     g = torch.Generator().manual_seed(0)
     acc01 = (torch.rand(40, 4, generator=g) < torch.rand(40, 1, generator=g)).long()
     # with 0/1 metrics, the band (0, 1) is DAPO's dynamic sampling
-    assert torch.equal(d.difficulty_band_mask(acc01, low=0.0, high=1.0), d.dynamic_sample_mask(acc01))
+    assert torch.equal(
+        d.difficulty_band_mask(acc01, low=0.0, high=1.0), d.dynamic_sample_mask(acc01)
+    )
     with pytest.raises(d.InputError, match="low"):
         d.difficulty_band_mask(acc01, low=0.5, high=0.5)
     with pytest.raises(d.InputError, match="metric"):
