@@ -1,7 +1,9 @@
-"""``token_level_loss`` fwd+bwd against an older checkout, in one process, side by side.
+"""``token_level_loss`` (and ``linear_policy_loss``) fwd+bwd against an older checkout,
+in one process, side by side.
 
     python -m benchmarks.bench_vs_checkout 4ffa07f            # the code before the engine
     python -m benchmarks.bench_vs_checkout 4ffa07f --shapes 64x4096 512x8192 --repeats 60
+    python -m benchmarks.bench_vs_checkout 37572c3 --linear 2048x896x32000 --repeats 10
 
 The older package is exported with ``git archive`` into a temporary directory and
 imported as ``dapo_ops_base`` (its ``dapo_ops`` imports renamed), so both run in the
@@ -76,6 +78,48 @@ def step(
     return run
 
 
+def linear_step(lib: ModuleType, tokens: int, d: int, vocab: int) -> Callable[[], None]:
+    """``linear_policy_loss`` fwd+bwd (float32, the default objective) on fixed inputs:
+    ``tokens`` as rows of 512, every position valid."""
+    g = torch.Generator().manual_seed(0)
+    batch = max(tokens // 512, 1)
+    hidden = torch.randn(batch, tokens // batch, d, generator=g).requires_grad_(True)
+    weight = (torch.randn(vocab, d, generator=g) / d**0.5).requires_grad_(True)
+    ids = torch.randint(0, vocab, (batch, tokens // batch), generator=g)
+    old = torch.full(ids.shape, -9.0)
+    adv, mask = torch.randn(batch, generator=g), torch.ones(ids.shape, dtype=torch.bool)
+
+    def run() -> None:
+        lib.linear_policy_loss(hidden, weight, ids, old, adv, mask).backward()
+        hidden.grad = weight.grad = None
+
+    return run
+
+
+def interleave(fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, list[float]]:
+    """Three warm-up calls each (compiles included), then ``repeats`` rounds, one call of
+    each per round: seconds per call."""
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def row(label: str, path: str, times: dict[str, list[float]]) -> str:
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    low = {k: min(v) * 1e3 for k, v in times.items()}
+    return (
+        f"| {label} | {path} | {med['base']:.3f} ms | {med['new']:.3f} ms | "
+        f"{med['new'] / med['base']:.2f} | {low['base']:.3f} ms | {low['new']:.3f} ms |"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("rev", help="the git revision to compare with (e.g. the commit before a change)")
@@ -86,6 +130,13 @@ def main(argv: list[str] | None = None) -> int:
         "--kl-is",
         action="store_true",
         help="with a k3 KL penalty (kl_beta=0.04) and IS weights (GRPO with rollout correction)",
+    )
+    p.add_argument(
+        "--linear",
+        nargs="*",
+        default=[],
+        metavar="TOKENSxDxVOCAB",
+        help="also linear_policy_loss fwd+bwd at these shapes (e.g. 2048x896x32000)",
     )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -104,23 +155,17 @@ def main(argv: list[str] | None = None) -> int:
                     "base": step(base, compiled and not args.kl_is, shape, args.kl_is),
                     "new": step(dapo_ops, compiled, shape, args.kl_is),
                 }
-                for fn in fns.values():  # warm-up (and the compile) outside the timing
-                    for _ in range(3):
-                        fn()
-                times: dict[str, list[float]] = {k: [] for k in fns}
-                for _ in range(args.repeats):
-                    for name, fn in fns.items():
-                        t0 = time.perf_counter()
-                        fn()
-                        times[name].append(time.perf_counter() - t0)
-                med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-                low = {k: min(v) * 1e3 for k, v in times.items()}
                 path = "compiled=True" if compiled else "eager"
                 if compiled and args.kl_is:
                     path += " (base: eager, it had no compiled KL path)"
-                print(f"| {text} | {path} | {med['base']:.3f} ms | {med['new']:.3f} ms | "
-                      f"{med['new'] / med['base']:.2f} | {low['base']:.3f} ms | "
-                      f"{low['new']:.3f} ms |")  # fmt: skip
+                print(row(text, path, interleave(fns, args.repeats)))
+        for text in args.linear:
+            tokens, d, vocab = (int(x) for x in text.split("x"))
+            fns = {
+                "base": linear_step(base, tokens, d, vocab),
+                "new": linear_step(dapo_ops, tokens, d, vocab),
+            }
+            print(row(text, "linear_policy_loss", interleave(fns, args.repeats)))
     return 0
 
 

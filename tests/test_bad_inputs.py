@@ -246,6 +246,7 @@ REGISTRY: list[Spec] = [
     spec("adaptive_entropy_coef", {"coef": (NAN, INF, "0.1"), "entropy": (NAN, "0.3", None), "target": (NAN, INF, "0.2"), "delta": (-0.1, NAN, INF), "coef_min": (NAN, 2.0), "coef_max": (NAN, -1.0)}, coef=0.1, entropy=0.3),
     spec("adaptive_kl_coef", {"coef": (NAN, INF, "0.1"), "current_kl": (NAN, "0.3", None), "target": (0.0, -1.0, NAN, INF, "0.1"), "n_steps": (-1, 2.5, True, "3"), "horizon": (0, -1, 2.5, True)}, coef=0.1, current_kl=0.3, n_steps=16),
     spec("batch_diagnostics", {"max_len": (*BAD_INT1, 2**63)}, lengths=LENGTHS, keep=Arg("bool", ("B",)), group_ids=GROUP_IDS, max_len=6),
+    spec("difficulty_band_mask", {"low": (NAN, INF, "0.1", None), "high": (NAN, INF, 0.05, "0.9")}, metric=dataclasses.replace(METRIC, bad_dtypes=(torch.complex64,))),
     spec("dynamic_sample_mask", {"atol": BAD_NONNEG}, metric=dataclasses.replace(METRIC, bad_dtypes=(torch.complex64,))),
     spec("group_advantages", {"scale": ("std", None), "baseline": ("median",), "eps": BAD_NONNEG, "unbiased": BAD_BOOL, "singleton": ("nan",)}, rewards=METRIC),
     spec("kl_reward", {"coef": (NAN, INF, "0.1", None), "estimator": ("k9", None), "clamp": BAD_POS}, token_scores=TOKEN, logp=OLD, ref_logp=OLD, mask=MASK, coef=0.1),
@@ -254,6 +255,7 @@ REGISTRY: list[Spec] = [
     spec("overlong_reward", {"max_len": BAD_INT1, "cache_len": (0, -1, 7, 2.5, True), "factor": BAD_NONNEG}, lengths=LENGTHS, max_len=6, cache_len=3),
     spec("pf_ppo_resample", {"method": ("power", None), "weight_pow": (NAN, INF, "2"), "generator": ("seed", 0)}, scores=Arg("float", ("B",), nan=RAISE, posinf=RAISE, neginf=RAISE), generator=Fresh(lambda: torch.Generator().manual_seed(0))),
     spec("pf_ppo_weights", {"method": ("power", None), "weight_pow": (NAN, INF, "2")}, scores=Arg("float", ("B",))),
+    spec("truncation_penalty", {"coef": (1.5, NAN, INF, "0.5", None)}, rewards=Arg("float", ("B",)), truncated=Arg("bool", ("B",)), coef=0.5),
     spec("prompts_to_generate", {"groups_needed": (-1, 2.5, NAN, INF, True), "kept_fraction": (-0.1, 1.5, NAN, INF, "0.5"), "min_fraction": (0.0, 1.5, NAN, INF), "max_prompts": BAD_INT1}, groups_needed=96, kept_fraction=0.4, max_prompts=512),
     # ------------------------------------------------------------ estimators, masks, metrics
     spec("gae_advantages", {"gamma": (-0.1, 1.5, NAN, INF), "lam": (-0.1, 1.5, NAN, INF), "whiten": BAD_BOOL}, rewards=TOKEN, values=TOKEN, mask=MASK),
@@ -261,6 +263,7 @@ REGISTRY: list[Spec] = [
     spec("global_normalizer", {"mode": BAD_MODE, "grads_averaged_over_ranks": BAD_BOOL}, masks=MASK),
     spec("gpg_advantages", {"f_norm": BAD_POS}, scores=SCORES),
     spec("high_entropy_mask", {"top_quantile": (0.0, -0.5, 1.5, NAN, INF)}, entropies=dataclasses.replace(ENTROPY, nan=ANY, posinf=ANY, neginf=ANY), mask=MASK, top_quantile=0.2),
+    spec("m2po_mask", {"threshold": (0.0, -1.0, NAN, INF, "0.04", True)}, old_logp=dataclasses.replace(LOGP_M, nan=ANY), rollout_logp=dataclasses.replace(LOGP_M, nan=ANY), mask=MASK, threshold=0.04),
     spec("masked_whiten", values=TOKEN, mask=MASK),
     spec("maxrl_advantages", {"eps": BAD_NONNEG}, scores=SCORES),
     spec("off_policy_sequence_mask", {"threshold": (NAN, "0.5")}, advantages=dataclasses.replace(ADV_M, nan=ANY), logp=dataclasses.replace(LOGP_M, nan=ANY), sampling_logp=dataclasses.replace(LOGP_M, nan=ANY), mask=MASK, threshold=0.5),

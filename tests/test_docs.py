@@ -47,6 +47,37 @@ def test_nav_lists_every_page_and_only_existing_pages() -> None:
     assert not not_in_nav, f"add these pages to the nav of mkdocs.yml: {not_in_nav}"
 
 
+#: The docs navigation's groups in order, each with the package folders (stages) whose
+#: pages it holds: the nav, the package layout and docs/architecture.md tell one story.
+NAV_STAGES = {
+    "Getting started": ("demo",),
+    "Rewards, advantages and sampling": ("rewards", "advantages"),
+    "Log-probs": ("logprobs",),
+    "Objectives and the loss": ("objectives", "engine", "presets"),
+    "Normalisation and distributed training": (),
+    "Rollout correction": ("correction",),
+    "Integrations": ("integrations",),
+    "Performance": (),
+    "Reference": ("diagnostics", "testing", "_core"),
+}
+
+
+def test_nav_groups_follow_the_package_layout() -> None:
+    """Every stage folder of src/dapo_ops has its nav group, the groups come in the order
+    of the pipeline (rewards before the loss, the loss before rollout correction), and
+    docs/architecture.md names every folder."""
+    text = (ROOT / "mkdocs.yml").read_text()
+    nav = text.split("\nnav:\n", 1)[1]
+    groups = re.findall(r"^  - ([^:]+):\s*$", nav, re.M)
+    assert groups == list(NAV_STAGES), groups
+    package = Path(dapo_ops.__file__).parent
+    folders = {p.name for p in package.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    mapped = {stage for stages in NAV_STAGES.values() for stage in stages}
+    assert folders == mapped, f"folders without a nav group: {sorted(folders - mapped)}"
+    architecture = (DOCS / "architecture.md").read_text()
+    assert all(f"`{folder}/`" in architecture for folder in folders)
+
+
 def test_griffe_extension_rewrites_rest_constructs() -> None:
     pytest.importorskip("griffe")
     spec = importlib.util.spec_from_file_location("griffe_rst", ROOT / "tools" / "griffe_rst.py")

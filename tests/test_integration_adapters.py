@@ -6,9 +6,11 @@ and the masking contract in the default suite.
 
 from __future__ import annotations
 
+import importlib
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -293,3 +295,22 @@ def test_comparison_covers_every_peer_name_of_the_parity_issue() -> None:
     # (no dapo_ops cell, its reason in the note) shows the peer's name marked "(no adapter)"
     assert all("(no adapter)" not in r.verl + r.trl for r in rows if r.dapo_ops)
     assert all(r.dapo_ops or r.note for r in rows), "a 'not applicable' row without its reason"
+
+
+def test_verl_registration_hook_passes_namespace_packages_through(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The one-shot hook of verl_plugin sits in sys.meta_path until verl loads its module;
+    meanwhile every import asks it, namespace packages included (their ``path`` is a
+    ``_NamespacePath``, not a list): it must answer None for them, under the suite's
+    runtime type checker too (a too-narrow annotation broke unrelated imports)."""
+    from dapo_ops.integrations.verl_plugin import _AfterImport
+
+    (tmp_path / "nspkg_for_hook" / "inner").mkdir(parents=True)  # no __init__: a namespace
+    (tmp_path / "nspkg_for_hook" / "inner" / "mod.py").write_text("VALUE = 3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fired: list[bool] = []
+    hook = _AfterImport("nspkg_for_hook.inner.mod", lambda: fired.append(True))
+    monkeypatch.setattr(sys, "meta_path", [hook, *sys.meta_path])
+    module = importlib.import_module("nspkg_for_hook.inner.mod")
+    assert module.VALUE == 3 and fired == [True] and hook not in sys.meta_path

@@ -368,6 +368,7 @@ def test_token_local_declarations() -> None:
         "DRO",
         "PolicyGradient",
         "RatioSurrogate",
+        "TOPR",
     }
 
     @dataclasses.dataclass(frozen=True)

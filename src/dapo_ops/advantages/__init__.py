@@ -1,6 +1,8 @@
 """Advantages: group-relative (GRPO, DAPO, Dr. GRPO), verl's other outcome estimators, token-level returns (GAE, REINFORCE++, ReMax), the optimal baseline.
 
-This package's face: it only re-exports; the code lives in its modules."""
+This package's face: it only re-exports; the code lives in its modules. ``__all__`` is the
+stage's public API (the ``dapo_ops`` face exports it); the other names re-exported here
+were names of the 0.1.0 module ``dapo_ops.advantages`` and stay importable from it."""
 
 from dapo_ops.advantages.estimators import (
     gdpo_advantages,
@@ -9,7 +11,9 @@ from dapo_ops.advantages.estimators import (
     opo_advantages,
     passk_advantages,
 )
-from dapo_ops.advantages.group import ZERO_STD_RTOL, group_advantages, pow2_scale
+from dapo_ops.advantages.group import ZERO_STD_RTOL as ZERO_STD_RTOL  # 0.1.0 module name
+from dapo_ops.advantages.group import group_advantages
+from dapo_ops.advantages.group import pow2_scale as pow2_scale  # 0.1.0 module name
 from dapo_ops.advantages.optimal_baseline import optimal_token_baseline_advantages
 from dapo_ops.advantages.returns import (
     gae_advantages,
@@ -19,7 +23,6 @@ from dapo_ops.advantages.returns import (
 )
 
 __all__ = [
-    "ZERO_STD_RTOL",
     "gae_advantages",
     "gdpo_advantages",
     "gpg_advantages",
@@ -29,7 +32,6 @@ __all__ = [
     "opo_advantages",
     "optimal_token_baseline_advantages",
     "passk_advantages",
-    "pow2_scale",
     "reinforce_pp_advantages",
     "remax_advantages",
 ]

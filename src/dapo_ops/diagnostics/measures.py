@@ -22,7 +22,7 @@ from dapo_ops._core._validate import (
     check_tensor,
 )
 from dapo_ops.objectives import ClipHigher, Objective
-from dapo_ops.objectives.base import per_sequence_advantages, token_inputs
+from dapo_ops.objectives.base import check_objective_value, per_sequence_advantages, token_inputs
 from dapo_ops.rewards.sampling import kept_group_counts
 
 #: The default objective of :func:`policy_diagnostics`: DAPO's Clip-Higher.
@@ -52,17 +52,11 @@ class PolicyDiagnostics(NamedTuple):
     def __add__(self, other: object) -> PolicyDiagnostics:  # type: ignore[override]
         if not isinstance(other, PolicyDiagnostics):
             return NotImplemented
+        sums = {f: getattr(self, f) + getattr(other, f) for f in _SUMS}
         return PolicyDiagnostics(
-            valid_tokens=self.valid_tokens + other.valid_tokens,
-            clipped_low=self.clipped_low + other.clipped_low,
-            clipped_high=self.clipped_high + other.clipped_high,
-            clipped_dual=self.clipped_dual + other.clipped_dual,
-            ratio_sum=self.ratio_sum + other.ratio_sum,
+            **sums,
             ratio_min=torch.minimum(self.ratio_min, other.ratio_min),
             ratio_max=torch.maximum(self.ratio_max, other.ratio_max),
-            approx_kl_sum=self.approx_kl_sum + other.approx_kl_sum,
-            entropy_sum=self.entropy_sum + other.entropy_sum,
-            entropy_tokens=self.entropy_tokens + other.entropy_tokens,
         )
 
     def all_reduce(self, group: object | None = None) -> PolicyDiagnostics:
@@ -70,33 +64,14 @@ class PolicyDiagnostics(NamedTuple):
         dist = torch.distributed
         if not (dist.is_available() and dist.is_initialized()):
             return self
-        sums = torch.stack(
-            [
-                self.valid_tokens,
-                self.clipped_low,
-                self.clipped_high,
-                self.clipped_dual,
-                self.ratio_sum,
-                self.approx_kl_sum,
-                self.entropy_sum,
-                self.entropy_tokens,
-            ]
-        )
+        sums = torch.stack([getattr(self, f) for f in _SUMS])
         lo_neg_hi = torch.stack([self.ratio_min, -self.ratio_max])
         dist.all_reduce(sums, group=group)  # type: ignore[arg-type]
         dist.all_reduce(lo_neg_hi, op=dist.ReduceOp.MIN, group=group)  # type: ignore[arg-type]
-        valid, low, high, dual, ratio_sum, kl_sum, ent_sum, ent_tokens = sums.unbind()
         return PolicyDiagnostics(
-            valid_tokens=valid,
-            clipped_low=low,
-            clipped_high=high,
-            clipped_dual=dual,
-            ratio_sum=ratio_sum,
+            **dict(zip(_SUMS, sums.unbind(), strict=True)),
             ratio_min=lo_neg_hi[0],
             ratio_max=-lo_neg_hi[1],
-            approx_kl_sum=kl_sum,
-            entropy_sum=ent_sum,
-            entropy_tokens=ent_tokens,
         )
 
     @property
@@ -125,6 +100,10 @@ class PolicyDiagnostics(NamedTuple):
         return safe_divide(self.entropy_sum, self.entropy_tokens)
 
 
+#: The fields of :class:`PolicyDiagnostics` that are sums (the others: the ratio's min and max).
+_SUMS = tuple(f for f in PolicyDiagnostics._fields if f not in ("ratio_min", "ratio_max"))
+
+
 def policy_diagnostics(
     logp: Float[Tensor, "batch seq"],
     old_logp: Float[Tensor, "batch seq"],
@@ -151,8 +130,7 @@ def policy_diagnostics(
         >>> float(d.clip_frac_high)
         0.5
     """
-    if not isinstance(objective, Objective):
-        raise InputError(f"objective must be an Objective such as ClipHigher(), got {objective!r}")
+    check_objective_value(objective)
     return objective_diagnostics(objective, logp, old_logp, advantages, mask, entropy=entropy)
 
 

@@ -28,7 +28,7 @@ from dapo_ops.engine._engine import LossInputs, LossSpec, fused_loss, generic_te
 from dapo_ops.engine.aggregation import check_max_len, check_normalizer, loss_scale, scaled_sum
 from dapo_ops.engine.kl import KLPenalty
 from dapo_ops.engine.policy import prepare
-from dapo_ops.objectives.base import Objective
+from dapo_ops.objectives.base import Objective, check_objective_value
 
 #: (shape, dtype, stride, requires_grad) of each tensor argument (None when not given),
 #: the device, and whether a normaliser is given.
@@ -92,11 +92,7 @@ class CompiledPolicyLoss:
     )
 
     def __post_init__(self) -> None:
-        if not isinstance(self.objective, Objective):
-            raise InputError(
-                "CompiledPolicyLoss.objective must be an objective value such as ClipHigher();"
-                f" got {self.objective!r}"
-            )
+        check_objective_value(self.objective, "CompiledPolicyLoss.objective")
         if type(self.objective).grad is Objective.grad:
             raise InputError(
                 f"CompiledPolicyLoss needs an objective with an analytic grad(); "

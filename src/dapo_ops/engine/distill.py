@@ -39,8 +39,9 @@ from dapo_ops._core._validate import (
     shape_str,
 )
 from dapo_ops.engine.aggregation import loss_scale, scaled_sum
+from dapo_ops.engine.checks import check_paired
 from dapo_ops.engine.kl import KL_ESTIMATORS, KLEstimator, KLPenalty
-from dapo_ops.objectives.base import check_field, check_number
+from dapo_ops.objectives.base import check_field, check_number, check_positive
 
 __all__ = ["TeacherKL", "distill_advantages", "distill_loss"]
 
@@ -83,13 +84,9 @@ class TeacherKL:
     weights: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
-        beta = check_number(self, "beta")
-        check_field(self, "beta", 0.0 < beta < math.inf, "must be finite and > 0")
+        check_positive(self, "beta")
         check_option("TeacherKL.estimator", self.estimator, KL_ESTIMATORS)
-        for name in ("clamp", "log_ratio_clamp"):
-            if getattr(self, name) is not None:
-                value = check_number(self, name)
-                check_field(self, name, 0.0 < value < math.inf, "must be finite and > 0 (or None)")
+        check_positive(self, "clamp", "log_ratio_clamp", none_ok=True)
         check_field(
             self,
             "log_ratio_clamp",
@@ -136,14 +133,10 @@ class TeacherKL:
 
 def check_pair(distill: object, teacher_logp: object) -> None:
     """``distill`` and ``teacher_logp`` go together (policy_loss's keywords)."""
-    if distill is not None and not isinstance(distill, TeacherKL):
-        raise InputError(f"distill must be a TeacherKL (e.g. TeacherKL()) or None; got {distill!r}")
-    if (distill is None) != (teacher_logp is None):
-        raise InputError(
-            "distill and teacher_logp go together: the distillation term needs the teacher's "
-            f"log-probs, and teacher_logp is unused without it; got distill={distill!r} and "
-            f"teacher_logp={'a tensor' if teacher_logp is not None else None}"
-        )
+    check_paired(
+        "distill", distill, TeacherKL, "TeacherKL()", "teacher_logp", teacher_logp,
+        "the distillation term needs the teacher's log-probs",
+    )  # fmt: skip
 
 
 def _inputs(

@@ -13,7 +13,7 @@ from torch import Tensor
 from dapo_ops._core._inputs import policy_tensors
 from dapo_ops._core._rules import LOG_RATIO_CLAMP, masked
 from dapo_ops._core._validate import InputError, check_no_grad, check_option
-from dapo_ops.objectives.base import check_field, check_number
+from dapo_ops.objectives.base import check_field, check_positive
 
 KLEstimator = Literal["k1", "k2", "k3", "abs"]
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3", "abs")
@@ -53,14 +53,10 @@ class KLPenalty:
     straight_through: bool = False
 
     def __post_init__(self) -> None:
-        beta = check_number(self, "beta")
-        check_field(self, "beta", 0.0 < beta < math.inf, "must be finite and > 0")
+        check_positive(self, "beta")
         check_option("KLPenalty.estimator", self.estimator, KL_ESTIMATORS)
-        if self.clamp is not None:
-            clamp = check_number(self, "clamp")
-            check_field(self, "clamp", 0.0 < clamp < math.inf, "must be finite and > 0 (or None)")
-        c = check_number(self, "log_ratio_clamp")
-        check_field(self, "log_ratio_clamp", 0.0 < c < math.inf, "must be finite and > 0")
+        check_positive(self, "clamp", none_ok=True)
+        check_positive(self, "log_ratio_clamp")
         check_field(
             self, "straight_through", isinstance(self.straight_through, bool), "must be a bool"
         )

@@ -4,31 +4,28 @@ from __future__ import annotations
 
 from typing import TypedDict
 
-import torch
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 from typing_extensions import Unpack
 
-from dapo_ops._core._inputs import policy_tensors
-from dapo_ops._core._rules import AGGREGATION_MODES, AggregationMode, Normalizer
-from dapo_ops._core._validate import (
-    InputError,
-    check_float,
-    check_no_grad,
-    check_option,
-    check_same_device,
-    check_same_shape,
-)
+from dapo_ops._core._rules import AggregationMode, Normalizer
+from dapo_ops._core._validate import InputError
 from dapo_ops.diagnostics.measures import PolicyDiagnostics, objective_diagnostics
 from dapo_ops.engine._engine import LossInputs, LossSpec, fused_loss
-from dapo_ops.engine.aggregation import check_max_len, check_normalizer
+from dapo_ops.engine.checks import (
+    check_constants,
+    check_loss_options,
+    normalizer_tensor,
+    objective_inputs,
+)
 from dapo_ops.engine.distill import TeacherKL, check_pair, distill_loss
 from dapo_ops.engine.kl import KLPenalty
-from dapo_ops.objectives.base import Objective, per_sequence_advantages
+from dapo_ops.objectives.base import Objective
 
 
-class PolicyOptions(TypedDict, total=False):
-    """The keyword options of :func:`policy_loss`, for the functions that pass them on."""
+class LossOptions(TypedDict, total=False):
+    """The keyword options every policy loss takes (:func:`policy_loss`,
+    :func:`dapo_ops.linear_policy_loss`): aggregation, KL penalty, IS weights."""
 
     mode: AggregationMode
     normalizer: Normalizer
@@ -36,6 +33,11 @@ class PolicyOptions(TypedDict, total=False):
     ref_logp: Tensor | None
     kl: KLPenalty | None
     is_weights: Tensor | None
+
+
+class PolicyOptions(LossOptions, total=False):
+    """The keyword options of :func:`policy_loss`, for the functions that pass them on."""
+
     kl_weights: Tensor | None
     teacher_logp: Tensor | None
     distill: TeacherKL | None
@@ -60,51 +62,23 @@ def prepare(
 ) -> tuple[LossSpec, LossInputs, Tensor | None]:
     """Check every argument of :func:`policy_loss` (metadata only, no host sync) and
     return what :func:`dapo_ops.engine._engine.fused_loss` takes."""
-    if not isinstance(objective, Objective):
-        raise InputError(
-            "objective must be a dapo_ops objective value such as ClipHigher(), GSPO() or "
-            f"CISPO() (a subclass of dapo_ops.objectives.Objective); got {objective!r}"
-        )
+    check_loss_options(objective, mode=mode, max_len=max_len, kl=kl, ref_logp=ref_logp)
     if not isinstance(compiled, bool):
         raise InputError(f"compiled must be True or False, got {compiled!r}")
-    check_option("mode", mode, AGGREGATION_MODES)
-    check_max_len(max_len)
-    per_sequence = per_sequence_advantages(objective)
-    adv, valid, dtype = policy_tensors(logp, old_logp, advantages, mask, per_sequence=per_sequence)
-    check_same_device("old_logp", old_logp, "logp", logp)
-    check_same_device("advantages", advantages, "logp", logp)
-    check_same_device("mask", mask, "logp", logp)
-    check_no_grad("old_logp", old_logp)
-    check_no_grad("advantages", advantages)
-    if kl is not None and not isinstance(kl, KLPenalty):
-        raise InputError(f"kl must be a KLPenalty (e.g. KLPenalty(beta=0.04)) or None; got {kl!r}")
-    if (kl is None) != (ref_logp is None):
-        raise InputError(
-            "kl and ref_logp go together: a KL penalty needs the reference policy's "
-            f"log-probs, and ref_logp is unused without one; got kl={kl!r} and ref_logp="
-            f"{'a tensor' if ref_logp is not None else None}"
-        )
+    adv, valid, dtype = objective_inputs(
+        objective, logp, old_logp, advantages, mask, device_of=("logp", logp)
+    )
     if kl_weights is not None and kl is None:
         raise InputError(
             "kl_weights weight the KL penalty's terms: pass them with kl=KLPenalty(...) and "
             "ref_logp, or leave them out"
         )
-    for name, extra in (
-        ("ref_logp", ref_logp),
-        ("is_weights", is_weights),
-        ("kl_weights", kl_weights),
-    ):
-        if extra is not None:
-            check_float(name, extra)
-            check_same_shape(name, extra, "logp", logp)
-            check_same_device(name, extra, "logp", logp)
-            check_no_grad(name, extra)
-    given = check_normalizer(normalizer)
-    den = None
-    if given is not None:
-        if isinstance(given, Tensor):
-            check_no_grad("normalizer", given)
-        den = torch.as_tensor(given, dtype=dtype, device=logp.device)
+    check_constants(
+        (("ref_logp", ref_logp), ("is_weights", is_weights), ("kl_weights", kl_weights)),
+        shape_of=("logp", logp),
+        device_of=("logp", logp),
+    )
+    den = normalizer_tensor(normalizer, dtype, logp.device)
     spec = LossSpec(objective, kl, mode, max_len)
     tensors = LossInputs(logp, old_logp, adv, valid, ref_logp, is_weights, kl_weights)
     return spec, tensors, den

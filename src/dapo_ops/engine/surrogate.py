@@ -7,10 +7,10 @@ from torch import Tensor
 
 from dapo_ops._core._inputs import policy_tensors
 from dapo_ops._core._rules import LOG_RATIO_CLAMP
-from dapo_ops._core._validate import InputError, check_no_grad
+from dapo_ops._core._validate import check_no_grad
 from dapo_ops.engine._engine import LossSpec, reference_terms
 from dapo_ops.objectives import ClipHigher, Objective
-from dapo_ops.objectives.base import per_sequence_advantages
+from dapo_ops.objectives.base import check_objective_value, per_sequence_advantages
 
 __all__ = ["LOG_RATIO_CLAMP", "clip_higher_surrogate", "per_token_loss"]
 
@@ -37,8 +37,7 @@ def per_token_loss(
         ...                torch.tensor([[-1.0, -2.5]]), torch.tensor([1.0]))
         tensor([[-1.0000, -1.2800]])
     """
-    if not isinstance(objective, Objective):
-        raise InputError(f"objective must be a dapo_ops objective value, got {objective!r}")
+    check_objective_value(objective)
     adv, valid, _ = policy_tensors(
         logp, old_logp, advantages, mask, per_sequence=per_sequence_advantages(objective)
     )

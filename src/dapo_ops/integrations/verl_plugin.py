@@ -29,8 +29,9 @@ import importlib.abc
 import importlib.machinery
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 #: The verl module that holds the policy-loss and advantage-estimator registries.
 CORE_ALGOS = "verl.trainer.ppo.core_algos"
@@ -75,7 +76,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
     def find_spec(
         self,
         fullname: str,
-        path: Sequence[str] | None,
+        path: Any,  # a list, None, or a namespace package's _NamespacePath (not a Sequence)
         target: ModuleType | None = None,
     ) -> importlib.machinery.ModuleSpec | None:
         if fullname != self.target:

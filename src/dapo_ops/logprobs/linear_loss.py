@@ -12,29 +12,31 @@ are in ``docs/linear_loss.md``.
 
 from __future__ import annotations
 
-from typing import NamedTuple, TypedDict
+from typing import NamedTuple
 
 import torch
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 from typing_extensions import Unpack
 
-from dapo_ops._core._inputs import policy_tensors
-from dapo_ops._core._rules import AGGREGATION_MODES, AggregationMode, Normalizer, compute_dtype
+from dapo_ops._core._rules import AggregationMode, Normalizer, compute_dtype
 from dapo_ops._core._validate import (
     InputError,
     check_float,
-    check_no_grad,
-    check_option,
     check_same_device,
-    check_same_shape,
     check_scalar,
     shape_str,
 )
 from dapo_ops.diagnostics.measures import PolicyDiagnostics, objective_diagnostics
 from dapo_ops.engine._engine import LossSpec
-from dapo_ops.engine.aggregation import check_max_len, check_normalizer
+from dapo_ops.engine.checks import (
+    check_constants,
+    check_loss_options,
+    normalizer_tensor,
+    objective_inputs,
+)
 from dapo_ops.engine.kl import KLPenalty
+from dapo_ops.engine.policy import LossOptions
 from dapo_ops.logprobs._fused_linear import DEFAULT_FUSED_CHUNK_ELEMENTS
 from dapo_ops.logprobs._linear_loss import LinearInputs, LinearPolicyLoss, LinearSpec, forward_pass
 from dapo_ops.logprobs._logprob_checks import (
@@ -46,7 +48,6 @@ from dapo_ops.logprobs._logprob_checks import (
 from dapo_ops.logprobs._triton_dispatch import Backend, triton_policy_loss, use_triton
 from dapo_ops.logprobs._truncation import truncation
 from dapo_ops.objectives import ClipHigher, Objective
-from dapo_ops.objectives.base import per_sequence_advantages
 
 __all__ = [
     "LinearDiagnostics",
@@ -58,18 +59,12 @@ __all__ = [
 DAPO_CLIP = ClipHigher()
 
 
-class LinearOptions(TypedDict, total=False):
+class LinearOptions(LossOptions, total=False):
     """The keyword options of :func:`linear_policy_loss`."""
 
     objective: Objective
     bias: Tensor | None
     temperature: float
-    mode: AggregationMode
-    normalizer: Normalizer
-    max_len: int | None
-    ref_logp: Tensor | None
-    kl: KLPenalty | None
-    is_weights: Tensor | None
     entropy_coef: float | Tensor
     chunk_size: int | None
     backend: Backend
@@ -109,14 +104,9 @@ def _prepare(
     o = options
     h, w, b = check_projection(hidden, weight, o.get("bias"), "[batch, seq, d]")
     objective = o.get("objective", DAPO_CLIP)
-    if not isinstance(objective, Objective):
-        raise InputError(
-            "objective must be a dapo_ops objective value such as ClipHigher(), GSPO() or "
-            f"CISPO() (a subclass of dapo_ops.objectives.Objective); got {objective!r}"
-        )
-    mode, max_len = o.get("mode", "token_mean"), o.get("max_len")
-    check_option("mode", mode, AGGREGATION_MODES)
-    check_max_len(max_len)
+    mode, max_len, kl = o.get("mode", "token_mean"), o.get("max_len"), o.get("kl")
+    ref_logp, is_weights = o.get("ref_logp"), o.get("is_weights")
+    check_loss_options(objective, mode=mode, max_len=max_len, kl=kl, ref_logp=ref_logp)
     temperature, chunk_size = o.get("temperature", 1.0), o.get("chunk_size")
     check_options(temperature, chunk_size)
     trunc = truncation(o.get("top_k"), o.get("top_p"), o.get("min_p"))
@@ -126,36 +116,16 @@ def _prepare(
             f"old_logp must have shape [batch, seq] = hidden's leading dims "
             f"{list(h.shape[:2])}, got {shape_str(old_logp)}"
         )
-    per_sequence = per_sequence_advantages(objective)
-    adv, valid, _ = policy_tensors(
-        old_logp, old_logp, advantages, mask, names=("old_logp", "old_logp"),
-        per_sequence=per_sequence,
+    adv, valid, _ = objective_inputs(
+        objective, old_logp, old_logp, advantages, mask, device_of=("hidden", h),
+        names=("old_logp", "old_logp"),
     )  # fmt: skip
-    for name, t in (("old_logp", old_logp), ("advantages", advantages), ("mask", mask)):
-        check_same_device(name, t, "hidden", h)
-    check_no_grad("old_logp", old_logp)
-    check_no_grad("advantages", advantages)
-    kl, ref_logp, is_weights = o.get("kl"), o.get("ref_logp"), o.get("is_weights")
-    if kl is not None and not isinstance(kl, KLPenalty):
-        raise InputError(f"kl must be a KLPenalty (e.g. KLPenalty(beta=0.04)) or None; got {kl!r}")
-    if (kl is None) != (ref_logp is None):
-        raise InputError(
-            "kl and ref_logp go together: a KL penalty needs the reference policy's "
-            f"log-probs, and ref_logp is unused without one; got kl={kl!r} and ref_logp="
-            f"{'a tensor' if ref_logp is not None else None}"
-        )
-    for name, extra in (("ref_logp", ref_logp), ("is_weights", is_weights)):
-        if extra is not None:
-            check_float(name, extra)
-            check_same_shape(name, extra, "old_logp", old_logp)
-            check_same_device(name, extra, "hidden", h)
-            check_no_grad(name, extra)
-    given = check_normalizer(o.get("normalizer"))
-    den = None
-    if given is not None:
-        if isinstance(given, Tensor):
-            check_no_grad("normalizer", given)
-        den = torch.as_tensor(given, dtype=compute_dtype(h, old_logp, adv), device=h.device)
+    check_constants(
+        (("ref_logp", ref_logp), ("is_weights", is_weights)),
+        shape_of=("old_logp", old_logp),
+        device_of=("hidden", h),
+    )
+    den = normalizer_tensor(o.get("normalizer"), compute_dtype(h, old_logp, adv), h.device)
     coef = check_scalar("entropy_coef", o.get("entropy_coef", 0.0))
     if isinstance(coef, Tensor):
         check_same_device("entropy_coef", coef, "hidden", h)

@@ -130,11 +130,34 @@ def is_token_local(objective: Objective) -> bool:
     return bool(vars(type(objective)).get("token_local", False))
 
 
+def check_objective_value(objective: object, name: str = "objective") -> None:
+    """``InputError`` unless ``objective`` is an :class:`Objective` value."""
+    if not isinstance(objective, Objective):
+        raise InputError(
+            f"{name} must be a dapo_ops objective value such as ClipHigher(), GSPO() or "
+            f"CISPO() (a subclass of dapo_ops.objectives.Objective); got {objective!r}"
+        )
+
+
 def check_field(objective: object, name: str, ok: bool, expected: str) -> None:
     """Raise ``InputError`` naming ``Type.name`` and its value unless ``ok``."""
     if not ok:
         value = getattr(objective, name)
         raise InputError(f"{type(objective).__name__}.{name} {expected}; got {value!r}")
+
+
+def check_positive(
+    objective: object, *names: str, zero_ok: bool = False, none_ok: bool = False
+) -> None:
+    """Each field a finite number > 0 (``zero_ok``: >= 0; ``none_ok``: or None), else
+    ``InputError`` naming ``Type.name`` and its value."""
+    bound = ">= 0" if zero_ok else "> 0"
+    for name in names:
+        if none_ok and getattr(objective, name) is None:
+            continue
+        value = check_number(objective, name)
+        ok = (value >= 0.0 if zero_ok else value > 0.0) and value < math.inf
+        check_field(objective, name, ok, f"must be finite and {bound}{' (or None)' * none_ok}")
 
 
 def check_number(objective: object, name: str) -> float:

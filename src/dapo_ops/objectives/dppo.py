@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import ClassVar, Literal
 
 import torch
 from torch import Tensor
 
 from dapo_ops._core._validate import check_option
-from dapo_ops.objectives.base import Clipped, Objective, TokenInputs, check_field, check_number
+from dapo_ops.objectives.base import Clipped, Objective, TokenInputs, check_positive
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,9 +51,7 @@ class DPPO(Objective):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_option("DPPO.divergence", self.divergence, ("tv", "kl"))
-        for name in ("delta_low", "delta_high", "is_cap"):
-            value = check_number(self, name)
-            check_field(self, name, 0.0 < value < math.inf, "must be finite and > 0")
+        check_positive(self, "delta_low", "delta_high", "is_cap")
 
     def inside(self, x: TokenInputs) -> Tensor:
         """The trust-region indicator ``v`` (bool, detached)."""

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import ClassVar
 
 from torch import Tensor
 
-from dapo_ops.objectives.base import Objective, TokenInputs, check_field, check_number
+from dapo_ops.objectives.base import Objective, TokenInputs, check_positive
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,8 +36,7 @@ class DRO(Objective):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        beta = check_number(self, "beta")
-        check_field(self, "beta", 0.0 < beta < math.inf, "must be finite and > 0")
+        check_positive(self, "beta")
 
     def term(self, x: TokenInputs) -> Tensor:
         return -(x.logp * x.adv - (0.5 * self.beta) * x.log_ratio.square())

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 from torch import Tensor
 
 from dapo_ops._core._rules import masked
-from dapo_ops.objectives.base import Clipped, Objective, TokenInputs, check_field, check_number
+from dapo_ops.objectives.base import Clipped, Objective, TokenInputs, check_positive
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,9 +47,7 @@ class GMPO(Objective):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("eps_low", "eps_high"):
-            value = check_number(self, name)
-            check_field(self, name, 0.0 <= value < math.inf, "must be finite and >= 0")
+        check_positive(self, "eps_low", "eps_high", zero_ok=True)
 
     def _token_log_ratio(self, x: TokenInputs) -> Tensor:
         """``m``: ``min(lr, eps_high)`` for ``A > 0``, ``max(lr, -eps_low)`` for ``A < 0``,

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-from dapo_ops.objectives.base import Objective, TokenInputs, check_field, check_number
+from dapo_ops.objectives.base import Objective, TokenInputs, check_positive
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,9 +43,7 @@ class SAPO(Objective):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("tau_pos", "tau_neg"):
-            tau = check_number(self, name)
-            check_field(self, name, 0.0 < tau < math.inf, "must be finite and > 0")
+        check_positive(self, "tau_pos", "tau_neg")
 
     def _gate(self, x: TokenInputs) -> tuple[Tensor, Tensor]:
         """``(tau, sigma(tau (r - 1)))`` per token."""

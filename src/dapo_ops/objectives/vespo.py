@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from dapo_ops._core._rules import masked
-from dapo_ops.objectives.base import Objective, TokenInputs, check_field, check_number
+from dapo_ops.objectives.base import Objective, TokenInputs, check_positive
 
 #: TRL clamps the sequence log-ratio to [log(1e-8), 20] before the gamma weight.
 _LOG_W_MIN = math.log(1e-8)
@@ -48,9 +48,7 @@ class VESPO(Objective):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("k_pos", "lambda_pos", "k_neg", "lambda_neg"):
-            value = check_number(self, name)
-            check_field(self, name, 0.0 < value < math.inf, "must be finite and > 0")
+        check_positive(self, "k_pos", "lambda_pos", "k_neg", "lambda_neg")
 
     def weight(self, x: TokenInputs) -> Tensor:
         """``phi`` per token (its sequence's), detached."""

@@ -27,6 +27,7 @@ from dapo_ops.engine.policy import policy_loss
 from dapo_ops.objectives import CISPO as CISPOObjective
 from dapo_ops.objectives import GSPO as GSPOObjective
 from dapo_ops.objectives import ClipHigher, Objective
+from dapo_ops.objectives.base import check_objective_value
 from dapo_ops.presets._peers import trl_options, verl_options
 
 __all__ = [
@@ -68,11 +69,7 @@ class ObjectivePreset:
     dynamic_sampling: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.objective, Objective):
-            raise InputError(
-                "ObjectivePreset.objective must be an objective value such as ClipHigher(), "
-                f"GSPO() or CISPO(); got {self.objective!r}"
-            )
+        check_objective_value(self.objective, "ObjectivePreset.objective")
         check_option("ObjectivePreset.mode", self.mode, AGGREGATION_MODES)
         check_option(
             "ObjectivePreset.advantage_scale", self.advantage_scale, ("group", "batch", "none")
