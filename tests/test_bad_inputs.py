@@ -194,6 +194,25 @@ LINEAR_OPTS = {
     **TRUNC_OPTS,
 }
 
+# linear_distill_loss: the teacher's logits (a -inf logit: a masked vocabulary entry, 0),
+# or its top-k log-probs at teacher_ids (a -inf log-prob contributes 0), constants.
+TEACHER_LOGITS = Arg("float", ("B", "S", "V"), masked_by="mask", const=True, neginf=ANY)
+TEACHER_TOPK = Arg(
+    "float", ("B", "S", "C"), masked_by="mask", const=True, lo=-3.0, hi=-0.05, neginf=ANY
+)
+DISTILL_OPTS = {
+    "mode": BAD_MODE,
+    "normalizer": BAD_NORM,
+    "max_len": BAD_INT1,
+    "temperature": BAD_POS,
+    "chunk_size": BAD_INT1,
+    "kind": ("kl", "", None),
+    "beta": (0.0, 1.0, NAN, "0.5"),
+    "topk": (0, -1, 2.5, True, "3"),
+    "log_prob_min_clamp": (NAN, INF, "1"),
+    "loss_clamp": (0.0, -1.0, NAN, INF, "1"),
+}
+
 REGISTRY: list[Spec] = [
     # ------------------------------------------------------------ loss path
     spec("aggregate_partial", {"mode": BAD_MODE, "max_len": BAD_INT1}, per_token_loss=TOKEN, mask=MASK),
@@ -207,6 +226,8 @@ REGISTRY: list[Spec] = [
     spec("gspo_surrogate", {"eps_low": BAD_PROB, "eps_high": (-0.1, NAN, INF)}, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK),
     spec("kl_cov_mask", {"fraction": (0.0, 1.5, NAN, "0.1")}, logp=COV_LOGP, advantages=COV_ADV, mask=MASK),
     spec("kl_penalty", {"estimator": ("k9", None), "log_ratio_clamp": BAD_POS, "clamp": BAD_POS, "straight_through": BAD_BOOL}, logp=LOGP, ref_logp=OLD, mask=MASK),
+    spec("linear_distill_loss", DISTILL_OPTS, hidden=HIDDEN_LOSS, weight=WEIGHT, teacher=TEACHER_LOGITS, mask=MASK, bias=Arg("float", ("V",), neginf=ANY), kind="jsd"),
+    spec("linear_distill_loss_with_diagnostics", DISTILL_OPTS, hidden=HIDDEN_LOSS, weight=WEIGHT, teacher=TEACHER_TOPK, mask=MASK, teacher_ids=Arg("ids", ("B", "S", "C"), high="V"), log_prob_min_clamp=-2.0, empty="any"),
     spec("linear_policy_loss", LINEAR_OPTS, hidden=HIDDEN_LOSS, weight=WEIGHT, tokens=TOKENS, old_logp=OLD, advantages=ADV, mask=MASK, bias=Arg("float", ("V",), neginf=ANY), ref_logp=OLD, is_weights=IS_W, kl=KL, entropy_coef=0.01),
     spec("linear_policy_loss_with_diagnostics", LINEAR_OPTS, hidden=HIDDEN_LOSS, weight=WEIGHT, tokens=TOKENS, old_logp=OLD, advantages=ADV, mask=MASK, bias=Arg("float", ("V",), neginf=ANY), ref_logp=OLD, is_weights=IS_W, kl=KL, entropy_coef=0.01, empty="any"),
     spec("objective_diagnostics", objective=OBJ, logp=LOGP_M, old_logp=LOGP_M, advantages=ADV_DIAG, mask=MASK, entropy=ENTROPY, empty="any"),
@@ -227,6 +248,7 @@ REGISTRY: list[Spec] = [
     spec("adaptive_entropy_coef", {"coef": (NAN, INF, "0.1"), "entropy": (NAN, "0.3", None), "target": (NAN, INF, "0.2"), "delta": (-0.1, NAN, INF), "coef_min": (NAN, 2.0), "coef_max": (NAN, -1.0)}, coef=0.1, entropy=0.3),
     spec("adaptive_kl_coef", {"coef": (NAN, INF, "0.1"), "current_kl": (NAN, "0.3", None), "target": (0.0, -1.0, NAN, INF, "0.1"), "n_steps": (-1, 2.5, True, "3"), "horizon": (0, -1, 2.5, True)}, coef=0.1, current_kl=0.3, n_steps=16),
     spec("batch_diagnostics", {"max_len": (*BAD_INT1, 2**63)}, lengths=LENGTHS, keep=Arg("bool", ("B",)), group_ids=GROUP_IDS, max_len=6),
+    spec("difficulty_band_mask", {"low": (NAN, INF, "0.1", None), "high": (NAN, INF, 0.05, "0.9")}, metric=dataclasses.replace(METRIC, bad_dtypes=(torch.complex64,))),
     spec("dynamic_sample_mask", {"atol": BAD_NONNEG}, metric=dataclasses.replace(METRIC, bad_dtypes=(torch.complex64,))),
     spec("group_advantages", {"scale": ("std", None), "baseline": ("median",), "eps": BAD_NONNEG, "unbiased": BAD_BOOL, "singleton": ("nan",)}, rewards=METRIC),
     spec("kl_reward", {"coef": (NAN, INF, "0.1", None), "estimator": ("k9", None), "clamp": BAD_POS}, token_scores=TOKEN, logp=OLD, ref_logp=OLD, mask=MASK, coef=0.1),
@@ -235,6 +257,7 @@ REGISTRY: list[Spec] = [
     spec("overlong_reward", {"max_len": BAD_INT1, "cache_len": (0, -1, 7, 2.5, True), "factor": BAD_NONNEG}, lengths=LENGTHS, max_len=6, cache_len=3),
     spec("pf_ppo_resample", {"method": ("power", None), "weight_pow": (NAN, INF, "2"), "generator": ("seed", 0)}, scores=Arg("float", ("B",), nan=RAISE, posinf=RAISE, neginf=RAISE), generator=Fresh(lambda: torch.Generator().manual_seed(0))),
     spec("pf_ppo_weights", {"method": ("power", None), "weight_pow": (NAN, INF, "2")}, scores=Arg("float", ("B",))),
+    spec("truncation_penalty", {"coef": (1.5, NAN, INF, "0.5", None)}, rewards=Arg("float", ("B",)), truncated=Arg("bool", ("B",)), coef=0.5),
     spec("prompts_to_generate", {"groups_needed": (-1, 2.5, NAN, INF, True), "kept_fraction": (-0.1, 1.5, NAN, INF, "0.5"), "min_fraction": (0.0, 1.5, NAN, INF), "max_prompts": BAD_INT1}, groups_needed=96, kept_fraction=0.4, max_prompts=512),
     # ------------------------------------------------------------ estimators, masks, metrics
     spec("gae_advantages", {"gamma": (-0.1, 1.5, NAN, INF), "lam": (-0.1, 1.5, NAN, INF), "whiten": BAD_BOOL}, rewards=TOKEN, values=TOKEN, mask=MASK),
@@ -242,6 +265,7 @@ REGISTRY: list[Spec] = [
     spec("global_normalizer", {"mode": BAD_MODE, "grads_averaged_over_ranks": BAD_BOOL}, masks=MASK),
     spec("gpg_advantages", {"f_norm": BAD_POS}, scores=SCORES),
     spec("high_entropy_mask", {"top_quantile": (0.0, -0.5, 1.5, NAN, INF)}, entropies=dataclasses.replace(ENTROPY, nan=ANY, posinf=ANY, neginf=ANY), mask=MASK, top_quantile=0.2),
+    spec("m2po_mask", {"threshold": (0.0, -1.0, NAN, INF, "0.04", True)}, old_logp=dataclasses.replace(LOGP_M, nan=ANY), rollout_logp=dataclasses.replace(LOGP_M, nan=ANY), mask=MASK, threshold=0.04),
     spec("masked_whiten", values=TOKEN, mask=MASK),
     spec("maxrl_advantages", {"eps": BAD_NONNEG}, scores=SCORES),
     spec("off_policy_sequence_mask", {"threshold": (NAN, "0.5")}, advantages=dataclasses.replace(ADV_M, nan=ANY), logp=dataclasses.replace(LOGP_M, nan=ANY), sampling_logp=dataclasses.replace(LOGP_M, nan=ANY), mask=MASK, threshold=0.5),
@@ -349,6 +373,8 @@ def masked_positions(s: Spec, name: str, kwargs: Mapping[str, Any]) -> torch.Ten
         return ~valid
     if a.shape == ("B",):
         return ~valid.any(dim=1)
+    if a.shape[:2] == ("B", "S"):  # [batch, seq, k]: a whole row of a masked token
+        return (~valid).unsqueeze(-1).expand(kwargs[name].shape)
     raise AssertionError(a.shape)
 
 

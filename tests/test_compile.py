@@ -134,6 +134,10 @@ def test_per_batch_functions() -> None:
         (lambda: d.dynamic_sample_mask(rewards.flatten(), ids), "flat sampling"),
         (lambda: d.overlong_filter(mask, lengths[:6] >= 32), "filter"),
         (lambda: d.global_normalizer([mask, mask[:2]], mode="seq_mean_token_mean"), "normaliser"),
+        (lambda: d.difficulty_band_mask(rewards), "dense difficulty band"),
+        (lambda: d.difficulty_band_mask(rewards.flatten(), ids), "flat difficulty band"),
+        (lambda: d.truncation_penalty(rewards[0], mask[0], coef=0.5), "truncation penalty"),
+        (lambda: d.m2po_mask(rewards - 1.0, -rewards / 3, mask, threshold=0.04), "m2po"),
     ]
     for fn, name in exact_cases:
         assert torch.equal(compiled(fn)(), fn()), name

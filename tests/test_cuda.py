@@ -257,6 +257,8 @@ def _no_sync_calls(b: Batch) -> dict[str, Callable[[], object]]:
         "high_entropy_mask": lambda: d.high_entropy_mask(ent, b.mask, top_quantile=0.2),
         "kl_cov_mask": lambda: d.kl_cov_mask(b.logp.detach(), b.advantages, b.mask),
         "entropy_bonus": lambda: d.entropy_bonus(ent, b.mask, coef=0.01),
+        "m2po_mask": lambda: d.m2po_mask(b.old_logp, b.logp.detach(), b.mask, threshold=0.04),
+        "truncation_penalty": lambda: d.truncation_penalty(b.advantages, b.mask[:, 0], coef=0.5),
     }
     return calls
 
@@ -288,6 +290,7 @@ def test_no_host_sync_where_none_is_promised() -> None:
 #: ``torch.compile``; each docstring says so (checked on every machine, below).
 DOCUMENTED_SYNCS: dict[str, str] = {
     "batch_diagnostics": "lengths finite and >= 0",
+    "difficulty_band_mask": "a NaN or inf metric",
     "dynamic_sample_mask": "a NaN or inf metric",
     "fused_logprobs_entropy": "token ids in [0, vocab)",
     "gdpo_advantages": "components finite",

@@ -119,6 +119,15 @@ def no_triton() -> str | None:
     return None if torch.cuda.is_available() else "backend='triton' runs on CUDA devices only"
 
 
+TRITON = "backend='triton'"
+
+
+def for_device(impls: list[Impl], device: str) -> list[Impl]:
+    """The implementations that belong to a device's suite: the Triton kernels' rows only
+    on CUDA (on a CPU they would be a row that says it cannot run)."""
+    return [i for i in impls if device == "cuda" or TRITON not in i.name]
+
+
 def impls(quick: bool) -> list[Impl]:
     liger, verl = installed("liger_kernel"), installed("verl")
     no_liger = (
@@ -150,7 +159,7 @@ def impls(quick: bool) -> list[Impl]:
             missing=no_linear,
         ),
         Impl(
-            f"{LINEAR}, backend='triton'",
+            f"{LINEAR}, {TRITON}",
             "ours",
             _step(
                 lambda h, w, x: d.linear_policy_loss(
@@ -220,7 +229,7 @@ def make_cases(quick: bool, device: str) -> list[Case]:
                     f"linear loss fwd+bwd, {name}",
                     f"{n}x{dim}x{v}",
                     lambda n=n, dim=dim, v=v, dtype=dtype: linear_inputs(n, dim, v, dtype, device),  # type: ignore[misc]
-                    impls(quick),
+                    for_device(impls(quick), device),
                     basis_bytes=n * v * 4,
                     basis_name="logits",
                     main_ref=NAIVE,

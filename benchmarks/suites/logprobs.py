@@ -20,7 +20,7 @@ import torch
 
 import dapo_ops as d
 from benchmarks.harness import Case, Fn, Impl, Result, Suite, Target
-from benchmarks.suites.linear import no_triton
+from benchmarks.suites.linear import TRITON, for_device, no_triton
 from benchmarks.targets import because, compare
 
 Pair = tuple[torch.Tensor, torch.Tensor]
@@ -125,7 +125,7 @@ def _impls(hidden: bool, backward: bool) -> list[Impl]:
                 _from_hidden(lambda h, w, t: _pair(d.fused_logprobs_entropy(h, w, t)), backward),
             ),
             Impl(
-                f"{FUSED}, backend='triton'",
+                f"{FUSED}, {TRITON}",
                 "ours",
                 _from_hidden(
                     lambda h, w, t: _pair(d.fused_logprobs_entropy(h, w, t, backend="triton")),
@@ -173,7 +173,7 @@ def make_cases(quick: bool, device: str) -> list[Case]:
                     f"{'from hidden' if dim else 'from logits'} {'fwd+bwd' if backward else 'fwd'}",
                     size,
                     lambda n=n, v=v, dim=dim, seq=seq: lp_inputs(n, v, dim, seq, device),  # type: ignore[misc]
-                    _impls(bool(dim), backward),
+                    for_device(_impls(bool(dim), backward), device),
                     basis_bytes=n * v * 4,
                     basis_name="logits",
                     main_ref=NAIVE_HIDDEN if dim else NAIVE,

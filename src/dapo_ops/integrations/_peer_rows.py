@@ -134,9 +134,15 @@ ROWS: list[Row] = [
         "clamp=10.0", verl_kind="distill"),
     Row(_DIST, "reverse KL to a teacher, absolute log-ratio", 'TeacherKL(estimator="abs")', (),
         ("abs",), note=_VS_VERL, verl_kind="distill"),
-    Row(_DIST, "forward KL over the teacher's top-k tokens", "", (), ("forward_kl_topk",),
-        note="needs the student's logits at the teacher's top-k ids; this API takes sampled "
-        "tokens' log-probs (issue 29, item 2)", verl_kind="distill"),
+    Row(_DIST, "forward KL over the teacher's top-k tokens", "linear_distill_loss(..., "
+        "teacher_ids=ids); verl_distill.compute_forward_kl_topk", (), ("forward_kl_topk",),
+        note="from the hidden states, no logits tensor; compared with verl's logits processor "
+        "(float64 value and gradient; verl's KL runs in float32) and its registered function "
+        "(loss, gradient, metrics)", verl_kind="distill"),
+    Row(_DIST, "generalised JSD / forward / reverse KL to the teacher's logits (GKD)",
+        'linear_distill_loss(..., kind="jsd")', ("GKDTrainer.generalized_jsd_loss",),
+        note="from the hidden states, no logits tensor; compared with TRL's for every beta, "
+        "temperature and reduction (float64, value and gradient)"),
     Row(_DIST, "teacher term as a supervised loss beside the policy loss",
         "distill_loss; policy_loss(..., teacher_logp=t, distill=TeacherKL())", (),
         ("use_policy_gradient=False",), note=f"{_VS_VERL}; exact across micro-batches with "
@@ -151,7 +157,8 @@ ROWS: list[Row] = [
     Row(_DIST, "clamp of the per-token distillation loss", "TeacherKL(clamp=c)", (),
         ("loss_max_clamp",), note=_VS_VERL, verl_kind="option"),
     Row(_DIST, "floor on student and teacher log-probs", "TeacherKL(logp_min=m)", note="verl's "
-        "log_prob_min_clamp acts on its top-k loss only, so nothing here is compared with it"),
+        "log_prob_min_clamp acts on its top-k loss only: linear_distill_loss(..., "
+        "log_prob_min_clamp=m) there, compared with it"),
     Row(_DIST, "several teachers, weighted", "TeacherKL(weights=w)", note="verl routes each "
         "sample to one teacher (teacher_key): pass the routed log-probs as one [batch, seq]"),
     Row(_ADV, "GAE", "gae_advantages", (), ("gae",), verl_kind="estimator"),
@@ -216,6 +223,10 @@ ROWS: list[Row] = [
     Row(_RC, "mismatch gate on a divergence (binary KL, TV)", "openrlhf.correction_weights", (),
         (), ('is_correction_gating="binary_kl"', '"tv"')),
     Row(_SEL, "highest-entropy tokens (80/20)", "high_entropy_mask", ("top_entropy_quantile",)),
+    Row(_SEL, "M2PO: drop the largest squared log-ratios until their mean is below a bound "
+        "(Zheng et al. 2025)", "m2po_mask", (), (), (), "AReaL's m2_threshold "
+        "(_apply_m2po_masking); AReaL is not installable here: compared with the formula, a "
+        "float64 reference of its selection (tests/test_peer_filters.py)"),
     Row(_SEL, "off-policy negative sequences (DeepSeek-V3.2)", "off_policy_sequence_mask",
         ("off_policy_mask_threshold",)),
     Row(_REG, "entropy bonus", "entropy_bonus", ("entropy_coef",), ("entropy_coeff",),
@@ -228,6 +239,10 @@ ROWS: list[Row] = [
         note="the model's own loss, added as TRL adds it"),
     Row(_REG, "soft overlong punishment (DAPO)", "overlong_reward; OverlongReward",
         ("get_soft_overlong_punishment",)),
+    Row(_REG, "truncated-response penalty: scale or replace the reward (ProRL)",
+        "truncation_penalty", (), (), ("stop_properly_penalty_coef",), "bitwise against "
+        "OpenRLHF's apply_stop_properly_penalty (tests/integration/test_openrlhf_truncation.py); "
+        "NeMo-RL's stop_properly_penalty_coef (apply_reward_shaping): compared with the formula"),
     Row(_OPT, "delta with cispo, sapo or vespo", "", ("delta",), note="TRL ignores delta for "
         "these loss types; DapoGRPOTrainer refuses an option that would be ignored"),
     Row(_OPT, "delta <= 1", "", ("delta",), note="caps every ratio at or below 1: no token "
@@ -243,5 +258,9 @@ ROWS: list[Row] = [
         ("algorithm.filter_groups",), (), "TRL 1.16 has none: DapoGRPOTrainer adds it; verl "
         "keeps one-sample groups (keep_single_sample_groups=False: as dapo_ops)",
         verl_kind="option"),
+    Row(_FILTER, "drop groups whose mean metric lies outside a band (difficulty filter)",
+        "difficulty_band_mask", (), (), (), "ROLL's difficulty_mask (difficulty_low_threshold, "
+        "difficulty_high_threshold); ROLL is not installable here: compared with the formula "
+        "(tests/test_peer_filters.py)"),
 ]
 # fmt: on

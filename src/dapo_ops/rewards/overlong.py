@@ -130,3 +130,70 @@ def overlong_filter(
         )
     check_same_device("truncated", truncated, "mask", mask)
     return valid & ~rearrange(truncated, "batch -> batch 1")
+
+
+def truncation_penalty(
+    rewards: Float[Tensor, " batch"],
+    truncated: Bool[Tensor, " batch"],
+    *,
+    coef: float,
+) -> Float[Tensor, " batch"]:
+    r"""The "stop properly" penalty (ProRL): scale the reward of every truncated response.
+
+    .. math::
+
+        R'_i = \begin{cases}
+            R_i & \text{not truncated}_i \\
+            \text{coef} \cdot R_i & \text{truncated}_i,\ 0 \le \text{coef} \le 1 \\
+            \text{coef} & \text{truncated}_i,\ \text{coef} < 0
+        \end{cases}
+
+    A response that hit the generation cap without EOS (``truncated``: vLLM's
+    ``finish_reason == "length"``, as for :func:`overlong_filter`) keeps the share
+    ``coef`` of its reward: ``coef=0`` zeroes it (ProRL's setting), ``coef=1`` changes
+    nothing. A negative ``coef`` replaces a truncated response's reward by ``coef`` itself
+    (a fixed punishment, e.g. ``-0.5``): OpenRLHF's extension; NeMo-RL accepts
+    ``[0, 1]`` only. Unlike :func:`overlong_reward`, it looks at how the response ended,
+    not at its length, and multiplies instead of adding: a wrong (0-reward) truncated
+    answer is not punished for ``coef >= 0``.
+
+    Peers: NeMo-RL ``stop_properly_penalty_coef`` (``nemo_rl/algorithms/reward_functions.py``:
+    ``apply_reward_shaping``), OpenRLHF 0.11.2 ``--stop_properly_penalty_coef``
+    (``openrlhf/trainer/ppo_utils/length_penalty.py``: ``apply_stop_properly_penalty``),
+    both from NVIDIA's ProRL v2 recipe. No default for ``coef`` (both peers leave it off).
+
+    Shapes: ``rewards [batch]`` (floating point), ``truncated [batch]`` bool; returns
+    ``[batch]`` float32 (float64 for float64 rewards), computed with ``torch.where``: a
+    NaN reward stays NaN unless a negative ``coef`` replaces it. No host sync.
+
+    Example:
+        >>> rewards = torch.tensor([1.0, 1.0, 0.0])
+        >>> truncation_penalty(rewards, torch.tensor([False, True, True]), coef=0.5)
+        tensor([1.0000, 0.5000, 0.0000])
+    """
+    coef = check_real("coef", coef)
+    if coef > 1.0:
+        raise InputError(f"coef must be <= 1 (a scale in [0, 1], or a negative reward), got {coef}")
+    check_tensor("rewards", rewards)
+    if not rewards.dtype.is_floating_point:
+        raise InputError(
+            f"rewards must be a floating-point tensor [batch], got {rewards.dtype}; "
+            "convert with .float()"
+        )
+    check_ndim("rewards", rewards, 1, "[batch]")
+    check_tensor("truncated", truncated)
+    if truncated.dtype != torch.bool:
+        raise InputError(
+            f"truncated must be a bool tensor [batch], got {truncated.dtype}; "
+            "pass a 0/1 flag as flag.bool()"
+        )
+    if truncated.shape != rewards.shape:
+        raise InputError(
+            f"truncated must have shape [batch]=[{rewards.shape[0]}] to match rewards "
+            f"{shape_str(rewards)}, got {shape_str(truncated)}"
+        )
+    check_same_device("truncated", truncated, "rewards", rewards)
+    out_dtype = torch.float64 if rewards.dtype == torch.float64 else torch.float32
+    r = rewards.to(out_dtype)
+    penalised = r.new_full((), coef) if coef < 0 else r * coef
+    return torch.where(truncated, penalised, r)

@@ -9,7 +9,7 @@ from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
 from dapo_ops._core._checked import checks_values
-from dapo_ops._core._groups import segment_count, segment_reduce, segments
+from dapo_ops._core._groups import segment_count, segment_reduce, segment_sum, segments
 from dapo_ops._core._validate import (
     InputError,
     check_finite,
@@ -85,6 +85,72 @@ def dynamic_sample_mask(
             segment_reduce(seg, values, "amax"), segment_reduce(seg, values, "amin"), atol
         )
     keep = varies & (segment_count(seg, torch.int64) >= 2)
+    if seg.dense_shape is None:
+        return keep[seg.segment]
+    return keep[: seg.dense_shape[0]]
+
+
+def difficulty_band_mask(
+    metric: Float[Tensor, "groups samples"]
+    | Integer[Tensor, "groups samples"]
+    | Bool[Tensor, "groups samples"]
+    | Float[Tensor, " batch"]
+    | Integer[Tensor, " batch"]
+    | Bool[Tensor, " batch"],
+    group_ids: Integer[Tensor, " batch"] | None = None,
+    *,
+    low: float = 0.1,
+    high: float = 0.95,
+) -> Bool[Tensor, " groups"] | Bool[Tensor, " batch"]:
+    r"""Which groups ROLL's difficulty filter keeps: those of mean metric strictly inside a band.
+
+    .. math::
+
+        \text{keep}_g \iff \text{low} < \frac{1}{|g|} \sum_{i \in g} m_i < \text{high}
+
+    With 0/1 accuracy, a group's mean is its prompt's pass rate: the filter drops the
+    prompts the policy already solves almost always (mean >= ``high``) or almost never
+    (mean <= ``low``), a band around :func:`dynamic_sample_mask`'s rule, which is the
+    band ``low=0, high=1`` for 0/1 metrics. Both bounds are exclusive, as in ROLL.
+
+    Peer: ROLL ``difficulty_mask`` with ``difficulty_low_threshold`` /
+    ``difficulty_high_threshold`` (``roll/pipeline/rlvr/utils.py``; the function's defaults
+    ``low=0.1``, ``high=0.95`` are ours; ROLL's config defaults 0 and 1 turn it into
+    dynamic sampling). ROLL skips the filter when a prompt has one sample; here a
+    one-sample group's mean is its own metric, filtered like any other.
+
+    Pass the **task metric** (accuracy), not the shaped reward, as for
+    :func:`dynamic_sample_mask`. ``low < high``, both finite.
+
+    Exactness: the mean is computed in float64 (exact sums for integer metrics whose group
+    sums stay below ``2**53``, one rounding in the division), then compared with the
+    bounds as given. A NaN or inf metric raises
+    ``InputError`` (one host sync, skipped under ``torch.compile``).
+
+    Layouts (as :func:`dynamic_sample_mask`): dense ``metric [groups, samples]`` returns
+    ``[groups]``; flat ``metric [batch]`` with ``group_ids [batch]`` (uneven,
+    non-contiguous groups allowed) returns ``[batch]``, each sample carrying its group's
+    verdict. :func:`kept_group_fraction` counts the kept groups of either layout.
+
+    Example:
+        >>> acc = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 1], [0, 0, 0, 0]])
+        >>> difficulty_band_mask(acc, low=0.1, high=0.95)
+        tensor([ True, False,  True, False])
+    """
+    check_tensor("metric", metric)
+    if metric.dtype.is_complex:
+        raise InputError(f"metric must be real, got {metric.dtype}")
+    low = check_real("low", low)
+    high = check_real("high", high)
+    if not low < high:
+        raise InputError(f"low must be < high, got low={low}, high={high}")
+    seg = segments("metric", metric, group_ids)
+    values = seg.values.to(torch.float64)
+    if metric.dtype.is_floating_point:
+        check_finite("metric", values)
+    count = segment_count(seg, torch.float64)
+    mean = segment_sum(seg, values) / count.clamp(min=1.0)
+    keep = (mean > low) & (mean < high) & (count >= 1)
     if seg.dense_shape is None:
         return keep[seg.segment]
     return keep[: seg.dense_shape[0]]
