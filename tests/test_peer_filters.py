@@ -45,7 +45,8 @@ def _logps(seed: int, rows: int = 5, seq: int = 7, scale: float = 0.3):  # type:
     old = -torch.rand(rows, seq, generator=g, dtype=F64) * 2 - 0.05
     roll = old + torch.randn(rows, seq, generator=g, dtype=F64) * scale
     mask = torch.rand(rows, seq, generator=g) < 0.8
-    return old, roll, mask
+    shift = (roll + 0.01).clamp(min=0.0)  # log-probs <= 0 (checked mode), same log-ratios
+    return old - shift, roll - shift, mask
 
 
 @pytest.mark.parametrize("tau", [0.01, 0.04, 0.2, 5.0])
@@ -90,14 +91,15 @@ def test_m2po_masked_garbage_and_nonfinite() -> None:
     bad = roll.clone()
     bad[0, 0] = float("nan")
     full = torch.ones_like(mask)
-    keep = d.m2po_mask(old, bad, full, threshold=0.04)
+    with d.checked(False):  # the default path's NaN rule; checked mode refuses the NaN
+        keep = d.m2po_mask(old, bad, full, threshold=0.04)
     assert not keep[0, 0]  # a NaN log-ratio ranks largest: dropped
     assert keep.any()
 
 
 def test_m2po_ties_by_position() -> None:
-    old = torch.zeros(1, 4)
-    roll = torch.tensor([[1.0, 1.0, 0.0, 0.0]])  # tail means: 0.5, 1/3, 0, 0
+    old = torch.full((1, 4), -1.0)
+    roll = torch.tensor([[0.0, 0.0, -1.0, -1.0]])  # tail means: 0.5, 1/3, 0, 0
     keep = d.m2po_mask(old, roll, torch.ones(1, 4, dtype=torch.bool), threshold=0.4)
     assert keep.tolist() == [[False, True, True, True]]  # the earlier tie is dropped first
 

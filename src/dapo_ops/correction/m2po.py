@@ -66,8 +66,8 @@ def m2po_mask(
     off); it must be finite and > 0.
 
     Example:
-        >>> old = torch.tensor([[0.0, 0.0, 0.0, 0.0]])
-        >>> roll = torch.tensor([[0.05, -0.1, 1.0, 0.0]])
+        >>> old = torch.tensor([[-1.0, -1.0, -1.0, -1.0]])
+        >>> roll = torch.tensor([[-0.95, -1.1, 0.0, -1.0]])
         >>> m2po_mask(old, roll, torch.ones(1, 4, dtype=torch.bool), threshold=0.04)
         tensor([[ True,  True, False,  True]])
     """
