@@ -308,6 +308,23 @@ def float32_bounds(
     return loss.detach(), loss_err, want, errs
 
 
+def assert_within_float32_bounds(
+    objective: d.Objective,
+    p: dict[str, Tensor],
+    coef: float,
+    dtype: torch.dtype,
+    opts: dict[str, Any],
+) -> None:
+    """:func:`linear` on the ``dtype`` problem ``p`` with ``entropy_coef=coef`` and ``opts``:
+    a float32 loss and ``dtype`` gradients, each within :func:`float32_bounds`."""
+    loss, grad = grads(linear(objective, p, {"entropy_coef": coef} | opts), p)
+    assert loss.dtype == torch.float32 and all(g.dtype == dtype for g in grad)
+    want_loss, loss_err, want, errs = float32_bounds(objective, p, coef, dtype)
+    assert_within(loss, want_loss, loss_err, "loss")
+    for name, x, y, e in zip(("hidden", "weight", "bias"), grad, want, errs, strict=True):
+        assert_within(x, y, e, f"{dtype} d {name}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("objective", [d.ClipHigher(), d.PolicyGradient()])
 @pytest.mark.parametrize("chunk", [None, 5])
@@ -318,13 +335,7 @@ def test_low_precision_within_derived_bounds(
     loss and the gradients, in the input dtype, within the derived bounds of the exact
     values of the same (rounded) inputs."""
     p = problem(4, 9, 16, 301, seed=3, dtype=dtype)
-    coef = 0.05
-    loss, grad = grads(linear(objective, p, {"entropy_coef": coef, "chunk_size": chunk}), p)
-    assert loss.dtype == torch.float32 and all(g.dtype == dtype for g in grad)
-    want_loss, loss_err, want, errs = float32_bounds(objective, p, coef, dtype)
-    assert_within(loss, want_loss, loss_err, "loss")
-    for name, x, y, e in zip(("hidden", "weight", "bias"), grad, want, errs, strict=True):
-        assert_within(x, y, e, f"{dtype} d {name}")
+    assert_within_float32_bounds(objective, p, 0.05, dtype, {"chunk_size": chunk})
 
 
 # --------------------------------------------------------------------------- rules
