@@ -225,11 +225,23 @@ def test_micro_batches_add_up_with_the_global_normalizer(objective: d.Objective,
     """Micro-batches of 1, 2 and 1 rows, each normalised by the step's count: their losses
     and weight gradients sum, and their hidden gradients concatenate, to the whole
     batch's (float64, within F64_RTOL of each entry plus the largest)."""
-    p = problem()
     opts: dict[str, Any] = {"mode": mode, "entropy_coef": 0.02, "chunk_size": 5}
-    whole = grads(linear(objective, p, opts), p)
     parts = [slice(0, 1), slice(1, 3), slice(3, 4)]
-    den = d.global_normalizer([p["mask"][s] for s in parts], mode=mode)
+    assert_micro_batches_add_up(objective, problem(), opts, parts, f"{objective}, {mode}")
+
+
+def assert_micro_batches_add_up(
+    objective: d.Objective,
+    p: dict[str, Tensor],
+    opts: dict[str, Any],
+    parts: list[slice],
+    what: str,
+) -> None:
+    """The row slices ``parts`` of ``p``, each normalised by the step's global count
+    (``opts["mode"]``): losses and weight gradients sum, hidden gradients concatenate, to
+    the whole batch's (:func:`assert_f64`)."""
+    whole = grads(linear(objective, p, opts), p)
+    den = d.global_normalizer([p["mask"][s] for s in parts], mode=opts["mode"])
     pieces = []
     for s in parts:
         q = {
@@ -242,7 +254,7 @@ def test_micro_batches_add_up_with_the_global_normalizer(objective: d.Objective,
         sum(x[1][1] for x in pieces),
         sum(x[1][2] for x in pieces),
     ]
-    assert_f64((total, summed), whole, f"{objective}, {mode}: micro-batches")  # type: ignore[arg-type]
+    assert_f64((total, summed), whole, f"{what}: micro-batches")  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- float32, bfloat16

@@ -22,6 +22,7 @@ from _strategies import projection_leaves
 from test_linear_loss import (
     CASES,
     assert_f64,
+    assert_micro_batches_add_up,
     assert_within_float32_bounds,
     case_inputs,
     grads,
@@ -95,20 +96,10 @@ def test_every_objective_and_mode(i: int) -> None:
 @pytest.mark.parametrize("objective", [d.ClipHigher(), d.GSPO()])
 def test_micro_batches_add_up(objective: d.Objective) -> None:
     """Micro-batches normalised by the step's global count add up to the whole batch."""
-    p, mode = problem(), "seq_mean_token_mean"
-    opts: dict[str, Any] = {"mode": mode, "entropy_coef": 0.02} | TRITON
-    whole = grads(linear(objective, p, opts), p)
-    parts = [slice(0, 1), slice(1, 4)]
-    den = d.global_normalizer([p["mask"][s] for s in parts], mode=mode)
-    pieces = []
-    for s in parts:
-        q = {
-            k: v[s] if k in ("hidden", "tokens", "old", "adv", "mask") else v for k, v in p.items()
-        }
-        pieces.append(grads(linear(objective, q, opts | {"normalizer": den}), q))
-    summed = [torch.cat([x[1][0] for x in pieces]), *(sum(x[1][j] for x in pieces) for j in (1, 2))]
-    total = torch.stack([x[0] for x in pieces]).sum()
-    assert_f64((total, summed), whole, f"{objective!r}: micro-batches")  # type: ignore[arg-type]
+    opts: dict[str, Any] = {"mode": "seq_mean_token_mean", "entropy_coef": 0.02} | TRITON
+    assert_micro_batches_add_up(
+        objective, problem(), opts, [slice(0, 1), slice(1, 4)], repr(objective)
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
