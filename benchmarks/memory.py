@@ -109,7 +109,10 @@ def measure_cpu(
         "quick": proto.quick,
         "threads": proto.threads,
     }
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=str(ROOT))
+    path = os.pathsep.join(
+        filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))
+    )  # the caller's too
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=path)
     try:
         out = subprocess.run(
             [sys.executable, "-m", "benchmarks.memory", json.dumps(spec)],

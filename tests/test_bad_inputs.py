@@ -194,6 +194,23 @@ LINEAR_OPTS = {
     **TRUNC_OPTS,
 }
 
+# linear_distill_loss: the teacher's logits (a -inf logit: a masked vocabulary entry, 0),
+# or its top-k log-probs at teacher_ids (a -inf log-prob contributes 0), constants.
+TEACHER_LOGITS = Arg("float", ("B", "S", "V"), masked_by="mask", const=True, neginf=ANY)
+TEACHER_TOPK = Arg("float", ("B", "S", "C"), masked_by="mask", const=True, lo=-3.0, hi=-0.05, neginf=ANY)
+DISTILL_OPTS = {
+    "mode": BAD_MODE,
+    "normalizer": BAD_NORM,
+    "max_len": BAD_INT1,
+    "temperature": BAD_POS,
+    "chunk_size": BAD_INT1,
+    "kind": ("kl", "", None),
+    "beta": (0.0, 1.0, NAN, "0.5"),
+    "topk": (0, -1, 2.5, True, "3"),
+    "log_prob_min_clamp": (NAN, INF, "1"),
+    "loss_clamp": (0.0, -1.0, NAN, INF, "1"),
+}
+
 REGISTRY: list[Spec] = [
     # ------------------------------------------------------------ loss path
     spec("aggregate_partial", {"mode": BAD_MODE, "max_len": BAD_INT1}, per_token_loss=TOKEN, mask=MASK),
@@ -207,6 +224,8 @@ REGISTRY: list[Spec] = [
     spec("gspo_surrogate", {"eps_low": BAD_PROB, "eps_high": (-0.1, NAN, INF)}, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK),
     spec("kl_cov_mask", {"fraction": (0.0, 1.5, NAN, "0.1")}, logp=COV_LOGP, advantages=COV_ADV, mask=MASK),
     spec("kl_penalty", {"estimator": ("k9", None), "log_ratio_clamp": BAD_POS, "clamp": BAD_POS, "straight_through": BAD_BOOL}, logp=LOGP, ref_logp=OLD, mask=MASK),
+    spec("linear_distill_loss", DISTILL_OPTS, hidden=HIDDEN_LOSS, weight=WEIGHT, teacher=TEACHER_LOGITS, mask=MASK, bias=Arg("float", ("V",), neginf=ANY), kind="jsd"),
+    spec("linear_distill_loss_with_diagnostics", DISTILL_OPTS, hidden=HIDDEN_LOSS, weight=WEIGHT, teacher=TEACHER_TOPK, mask=MASK, teacher_ids=Arg("ids", ("B", "S", "C"), high="V"), log_prob_min_clamp=-2.0, empty="any"),
     spec("linear_policy_loss", LINEAR_OPTS, hidden=HIDDEN_LOSS, weight=WEIGHT, tokens=TOKENS, old_logp=OLD, advantages=ADV, mask=MASK, bias=Arg("float", ("V",), neginf=ANY), ref_logp=OLD, is_weights=IS_W, kl=KL, entropy_coef=0.01),
     spec("linear_policy_loss_with_diagnostics", LINEAR_OPTS, hidden=HIDDEN_LOSS, weight=WEIGHT, tokens=TOKENS, old_logp=OLD, advantages=ADV, mask=MASK, bias=Arg("float", ("V",), neginf=ANY), ref_logp=OLD, is_weights=IS_W, kl=KL, entropy_coef=0.01, empty="any"),
     spec("objective_diagnostics", objective=OBJ, logp=LOGP_M, old_logp=LOGP_M, advantages=ADV_DIAG, mask=MASK, entropy=ENTROPY, empty="any"),
@@ -350,6 +369,8 @@ def masked_positions(s: Spec, name: str, kwargs: Mapping[str, Any]) -> torch.Ten
         return ~valid
     if a.shape == ("B",):
         return ~valid.any(dim=1)
+    if a.shape[:2] == ("B", "S"):  # [batch, seq, k]: a whole row of a masked token
+        return (~valid).unsqueeze(-1).expand(kwargs[name].shape)
     raise AssertionError(a.shape)
 
 

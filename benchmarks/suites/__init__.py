@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 from benchmarks.harness import Suite
-from benchmarks.suites import advantages, compile_time, linear, logprobs, loss
+from benchmarks.suites import advantages, compile_time, distill, linear, logprobs, loss
 
 SUITES: dict[str, Suite] = {
     s.name: s
-    for s in (loss.SUITE, advantages.SUITE, logprobs.SUITE, linear.SUITE, compile_time.SUITE)
+    for s in (
+        loss.SUITE,
+        advantages.SUITE,
+        logprobs.SUITE,
+        linear.SUITE,
+        distill.SUITE,
+        compile_time.SUITE,
+    )
 }

@@ -66,6 +66,7 @@ def check_registered() -> None:
         assert estimators.get(verl_estimators.ESTIMATOR_NAMES[name]) is fn, name
     for name in verl_distill.DISTILL_NAMES:
         assert distill.get(name) is verl_distill.compute_distillation_loss, name
+    assert distill.get("dapo_ops_forward_kl_topk") is verl_distill.compute_forward_kl_topk
     # the one-shot registration hooks are gone (dapo_ops._core._compat's alias finder stays)
     assert not any(type(f).__module__.startswith("dapo_ops.integrations") for f in sys.meta_path)
 

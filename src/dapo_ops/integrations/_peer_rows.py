@@ -134,9 +134,15 @@ ROWS: list[Row] = [
         "clamp=10.0", verl_kind="distill"),
     Row(_DIST, "reverse KL to a teacher, absolute log-ratio", 'TeacherKL(estimator="abs")', (),
         ("abs",), note=_VS_VERL, verl_kind="distill"),
-    Row(_DIST, "forward KL over the teacher's top-k tokens", "", (), ("forward_kl_topk",),
-        note="needs the student's logits at the teacher's top-k ids; this API takes sampled "
-        "tokens' log-probs (issue 29, item 2)", verl_kind="distill"),
+    Row(_DIST, "forward KL over the teacher's top-k tokens", "linear_distill_loss(..., "
+        "teacher_ids=ids); verl_distill.compute_forward_kl_topk", (), ("forward_kl_topk",),
+        note="from the hidden states, no logits tensor; compared with verl's logits processor "
+        "(float64 value and gradient; verl's KL runs in float32) and its registered function "
+        "(loss, gradient, metrics)", verl_kind="distill"),
+    Row(_DIST, "generalised JSD / forward / reverse KL to the teacher's logits (GKD)",
+        'linear_distill_loss(..., kind="jsd")', ("GKDTrainer.generalized_jsd_loss",),
+        note="from the hidden states, no logits tensor; compared with TRL's for every beta, "
+        "temperature and reduction (float64, value and gradient)"),
     Row(_DIST, "teacher term as a supervised loss beside the policy loss",
         "distill_loss; policy_loss(..., teacher_logp=t, distill=TeacherKL())", (),
         ("use_policy_gradient=False",), note=f"{_VS_VERL}; exact across micro-batches with "
@@ -151,7 +157,8 @@ ROWS: list[Row] = [
     Row(_DIST, "clamp of the per-token distillation loss", "TeacherKL(clamp=c)", (),
         ("loss_max_clamp",), note=_VS_VERL, verl_kind="option"),
     Row(_DIST, "floor on student and teacher log-probs", "TeacherKL(logp_min=m)", note="verl's "
-        "log_prob_min_clamp acts on its top-k loss only, so nothing here is compared with it"),
+        "log_prob_min_clamp acts on its top-k loss only: linear_distill_loss(..., "
+        "log_prob_min_clamp=m) there, compared with it"),
     Row(_DIST, "several teachers, weighted", "TeacherKL(weights=w)", note="verl routes each "
         "sample to one teacher (teacher_key): pass the routed log-probs as one [batch, seq]"),
     Row(_ADV, "GAE", "gae_advantages", (), ("gae",), verl_kind="estimator"),

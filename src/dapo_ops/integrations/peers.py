@@ -24,7 +24,7 @@ from dapo_ops.integrations._peer_rows import ROWS, Row, resolve
 from dapo_ops.integrations.openrlhf import PolicyLossOptions
 from dapo_ops.integrations.trl import TRL_LOSS_TYPES
 from dapo_ops.integrations.verl_advantages import ESTIMATORS as VERL_ESTIMATORS
-from dapo_ops.integrations.verl_distill import ESTIMATORS as VERL_DISTILL
+from dapo_ops.integrations.verl_distill import DISTILL_MODES as VERL_DISTILL
 from dapo_ops.integrations.verl_estimators import ESTIMATOR_NAMES
 from dapo_ops.integrations.verl_losses import VERL_LOSS_MODES
 

@@ -8,7 +8,12 @@ loss_mode`` one of ``kl``, ``k1``, ``abs``, ``mse``, ``k2``, ``low_var_kl``, ``k
 (``use_policy_gradient``). :func:`compute_distillation_loss` has that function's signature
 and computes the per-token loss with :class:`dapo_ops.TeacherKL` (:func:`teacher_kl_for`
 states each name), so every one of verl's clamps and combinations around it is verl's own.
-``loss_mode=forward_kl_topk`` needs the student's full logits: not here (it has no twin).
+``loss_mode=forward_kl_topk``: verl computes its per-token top-k loss in the model's logits
+processor (``compute_topk_loss``, from the student's logits) and passes it to the registered
+function, which clamps it at 0 and logs the top-k masses and the student/teacher overlap;
+:func:`compute_forward_kl_topk` is that function, registered as ``dapo_ops_forward_kl_topk``
+(``use_topk=True``). Outside verl, :func:`dapo_ops.linear_distill_loss` computes the same loss
+from the hidden states without the logits.
 
 Differences: the loss is exactly 0 at masked positions (verl's holds whatever the padding
 gives; every consumer masks it); ``abs_loss`` of an all-masked micro-batch is 0, not NaN;
@@ -46,8 +51,12 @@ ESTIMATORS = {
     "k3": "k3",
 }
 PREFIX = "dapo_ops_"
-#: The names registered in verl's distillation registry.
+#: The names registered in verl's distillation registry (single-sample estimators).
 DISTILL_NAMES = tuple(PREFIX + name for name in ESTIMATORS)
+#: verl's top-k loss mode, registered as ``dapo_ops_forward_kl_topk``.
+TOPK_NAME = "forward_kl_topk"
+#: Every verl distillation ``loss_mode`` with a twin.
+DISTILL_MODES = (*ESTIMATORS, TOPK_NAME)
 
 
 def teacher_kl_for(loss_mode: str) -> TeacherKL:
@@ -126,6 +135,49 @@ def compute_distillation_loss(
     return losses, {"distillation/abs_loss": Metric(AggregationType.MEAN, abs_mean)}
 
 
+def compute_forward_kl_topk(
+    config: Any,
+    distillation_config: Any,
+    model_output: Any,
+    data: Any,
+) -> tuple[Tensor, dict[str, Any]]:
+    """verl ``DistillationLossFn`` for ``forward_kl_topk``: the logits processor's per-token
+    loss (``model_output["distillation_losses"]``, unpadded) clamped at 0 (top-k masses do
+    not sum to 1), and verl's metrics over the valid tokens: ``distillation/student_mass`` and
+    ``teacher_mass`` (mean, host floats as verl's), their min and max (``Metric``), and,
+    when the processor gave them, ``overlap_ratio`` (the mean overlap count over ``topk``)
+    and ``overlap_token_advantage`` (mean over the tokens with an overlap, 0 without).
+    Host syncs: the means, as verl's."""
+    from verl.utils.metric import AggregationType, Metric
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    def padded(key: str) -> Tensor:
+        return no_padding_2_padding(model_output[key], data)  # type: ignore[no-any-return]
+
+    mask = data["response_mask"]
+    valid = mask.bool().to_padded_tensor(False) if mask.is_nested else mask.bool()
+    losses = padded("distillation_losses")
+    metrics: dict[str, Any] = {}
+    for who in ("student", "teacher"):
+        mass = padded(f"{who}_mass")[valid]
+        metrics[f"distillation/{who}_mass"] = mass.mean().item()
+        metrics[f"distillation/{who}_mass_min"] = Metric(AggregationType.MIN, mass.min())
+        metrics[f"distillation/{who}_mass_max"] = Metric(AggregationType.MAX, mass.max())
+    if model_output.get("overlap_count") is not None and model_output.get("overlap_token_advantage") is not None:  # fmt: skip
+        count, adv = padded("overlap_count"), padded("overlap_token_advantage")
+        k = _config_value(
+            _config_value(distillation_config, "distillation_loss", None), "topk", None
+        )
+        if k is None:
+            raise InputError("distillation_loss.topk must be set for the overlap metrics; got None")
+        metrics["distillation/overlap_ratio"] = (count[valid].float().mean() / k).item()
+        hit = valid & (count > 0)
+        metrics["distillation/overlap_token_advantage"] = (
+            adv[hit].mean().item() if bool(hit.any()) else 0.0
+        )
+    return losses.clamp(min=0.0), metrics
+
+
 def per_token(distill: TeacherKL, student: Tensor, teacher: Tensor, mask: Tensor) -> Tensor:
     """``D`` per token (``beta`` 1), 0 at masked positions, differentiable in ``student``."""
     dtype = torch.float64 if torch.float64 in (student.dtype, teacher.dtype) else torch.float32
@@ -134,15 +186,21 @@ def per_token(distill: TeacherKL, student: Tensor, teacher: Tensor, mask: Tensor
 
 def register_distillation() -> None:
     """Register :func:`compute_distillation_loss` in verl's distillation registry under
-    :data:`DISTILL_NAMES` (single-sample estimators). Idempotent: replaces the entries.
+    :data:`DISTILL_NAMES` (single-sample estimators) and :func:`compute_forward_kl_topk` as
+    ``dapo_ops_forward_kl_topk`` (``use_topk=True``). Idempotent: replaces the entries.
     Imports ``verl.trainer.distillation.losses`` (which needs Pillow)."""
     from verl.trainer.distillation import losses
 
     for name in DISTILL_NAMES:  # register_distillation_loss refuses a second function
         losses.DISTILLATION_LOSS_REGISTRY.pop(name, None)
         losses.DISTILLATION_SETTINGS_REGISTRY.pop(name, None)
+    topk = PREFIX + TOPK_NAME
+    losses.DISTILLATION_LOSS_REGISTRY.pop(topk, None)
+    losses.DISTILLATION_SETTINGS_REGISTRY.pop(topk, None)
     settings = losses.DistillationLossSettings(names=list(DISTILL_NAMES), use_estimator=True)
     losses.register_distillation_loss(settings)(compute_distillation_loss)
+    topk_settings = losses.DistillationLossSettings(names=[topk], use_topk=True)
+    losses.register_distillation_loss(topk_settings)(compute_forward_kl_topk)
 
 
 # Imported on its own inside a verl process (VERL_USE_EXTERNAL_MODULES): register every
@@ -153,9 +211,12 @@ from dapo_ops.integrations.verl_plugin import register_when_ready  # noqa: E402
 register_when_ready()
 
 __all__ = [
+    "DISTILL_MODES",
     "DISTILL_NAMES",
     "ESTIMATORS",
+    "TOPK_NAME",
     "compute_distillation_loss",
+    "compute_forward_kl_topk",
     "register_distillation",
     "teacher_kl_for",
     "teacher_kl_from_config",

@@ -2,6 +2,11 @@
 
 This package's face: it only re-exports; the code lives in its modules."""
 
+from dapo_ops.logprobs.linear_distill import (
+    DistillDiagnostics,
+    linear_distill_loss,
+    linear_distill_loss_with_diagnostics,
+)
 from dapo_ops.logprobs.linear_loss import (
     LinearDiagnostics,
     linear_policy_loss,
@@ -16,9 +21,12 @@ from dapo_ops.logprobs.tokens import (
 )
 
 __all__ = [
+    "DistillDiagnostics",
     "LinearDiagnostics",
     "LogpEntropy",
     "fused_logprobs_entropy",
+    "linear_distill_loss",
+    "linear_distill_loss_with_diagnostics",
     "linear_policy_loss",
     "linear_policy_loss_with_diagnostics",
     "token_entropy",

@@ -1,0 +1,257 @@
+r"""Logit distillation from hidden states, one chunk of tokens at a time.
+
+Private; :func:`dapo_ops.linear_distill_loss` checks its inputs and calls
+:func:`forward_pass` (through :class:`LinearDistill`). For a chunk of tokens the student's
+log-softmax :math:`s` (``[n, vocab]``, :class:`dapo_ops.logprobs._fused_linear.Chunks`), the
+teacher's chunk, then :func:`chunk_terms`: each token's loss :math:`l` and its gradient
+w.r.t. the scaled logits :math:`x = z / T`, through :math:`G = a - p_s \sum_v a_v` with
+:math:`a = \partial l / \partial s` (``docs/distillation.md`` derives each):
+
+- forward KL :math:`\sum_v p_t (t - s)`: :math:`G = p_s \sum_v p_t - p_t`;
+- reverse KL :math:`\sum_v p_s (s - t)`: :math:`G = p_s (s - t - l)`;
+- generalised JSD (mixture :math:`m = \log((1-\beta) p_s + \beta p_t)`):
+  :math:`l = \beta\,KL(t\|m) + (1-\beta)\,KL(s\|m)`,
+  :math:`G = (1-\beta)\,p_s (s - m - KL(s\|m))`;
+- forward KL over the teacher's top-k ids (verl's ``forward_kl_topk``): log-probs clamped
+  from below at ``log_prob_min_clamp``, the token's loss at 0, :math:`a` at the ids only.
+
+The chunk's ``grad_hidden`` and share of ``grad_weight`` are formed at once (3 matmuls in
+all); backward scales them. :func:`reference_terms` is the definition under autograd.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from dapo_ops._core._validate import is_compiling
+from dapo_ops.engine.aggregation import loss_scale
+from dapo_ops.logprobs._fused_linear import chunks_for, grads_for, linear
+from dapo_ops.logprobs._softmax_blocks import LOGP_FLOOR
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillSpec:
+    """Everything but the tensors."""
+
+    kind: str  # "forward_kl", "reverse_kl", "jsd"
+    beta: float  # the JSD's teacher weight (jsd only)
+    temperature: float
+    topk: int | None  # teacher logits reduced to their top-k (None: the whole vocabulary)
+    logp_clamp: float | None  # top-k path: log-probs floored at this (verl's log_prob_min_clamp)
+    loss_clamp: float | None  # every path: the token's loss clipped to +-this
+    mode: str
+    max_len: int | None
+    chunk: int
+
+
+class DistillInputs(NamedTuple):
+    """The checked tensors."""
+
+    teacher: Tensor  # [batch, seq, vocab] logits or [batch, seq, k] top-k log-probs
+    ids: Tensor | None  # [batch, seq, k] int64 (0 at masked positions), or None
+    valid: Tensor  # [batch, seq] bool
+    normalizer: Tensor | None  # 0-dim, or None: the local count
+
+
+class Terms(NamedTuple):
+    loss: Tensor  # [n], the tokens' losses (after the clamps)
+    grad: Tensor | None  # [n, vocab]: d loss_i / d x, x = logits / T
+    student_mass: Tensor | None  # [n] top-k only: sum of the student's probs at the ids
+    teacher_mass: Tensor | None
+
+
+def _topk_terms(spec: DistillSpec, s: Tensor, tl: Tensor, ids: Tensor, grad: bool) -> Terms:
+    """verl's ``forward_kl_topk`` on one chunk (``s`` the student's log-softmax)."""
+    sk = s.gather(1, ids)
+    smass, tmass = sk.exp().sum(dim=1), tl.exp().sum(dim=1)
+    c = spec.logp_clamp
+    skc, tlc = (sk, tl) if c is None else (sk.clamp(min=c), tl.clamp(min=c))
+    pt = tlc.exp()
+    loss = torch.where(pt > 0, pt * (tlc - skc), 0.0).sum(dim=1)
+    keep = loss >= 0  # the clamp at 0: top-k masses do not sum to 1
+    loss = loss.clamp(min=0.0)
+    if not grad:
+        return Terms(loss, None, smass, tmass)
+    a = torch.where(keep.unsqueeze(1), -pt, 0.0)  # d loss / d s at the ids
+    if c is not None:
+        a = torch.where(sk >= c, a, 0.0)
+    g = (s.exp() * -a.sum(dim=1, keepdim=True)).scatter_add(1, ids, a)
+    return Terms(loss, g, smass, tmass)
+
+
+def chunk_terms(
+    spec: DistillSpec, lp: Tensor, teacher: Tensor, ids: Tensor | None, grad: bool
+) -> Terms:
+    """The tokens' losses and gradients for one chunk: ``lp`` the student's log-softmax
+    ``[n, vocab]`` (left as it is), ``teacher`` the chunk's teacher logits (raw) or top-k
+    log-probs, in the compute dtype, finite."""
+    if ids is not None or spec.topk is not None:
+        if ids is None:  # the teacher's logits reduced to their top-k
+            assert spec.topk is not None
+            teacher, ids = torch.log_softmax(teacher / spec.temperature, dim=1).topk(spec.topk)
+        terms = _topk_terms(spec, lp, teacher, ids, grad)
+    else:
+        s = lp.clamp(min=LOGP_FLOOR)  # -inf logits: 0 * finite, no probability changes
+        t = torch.log_softmax(teacher / spec.temperature, dim=1).clamp(min=LOGP_FLOOR)
+        ps, g = lp.exp(), None
+        if spec.kind == "forward_kl":
+            pt = t.exp()
+            loss = (pt * (t - s)).sum(dim=1)
+            g = ps * pt.sum(dim=1, keepdim=True) - pt if grad else None
+        elif spec.kind == "reverse_kl":
+            loss = (ps * (s - t)).sum(dim=1)
+            g = ps * (s - t - loss.unsqueeze(1)) if grad else None
+        else:
+            b = spec.beta
+            m = torch.logaddexp(s + math.log1p(-b), t + math.log(b))
+            ks = (ps * (s - m)).sum(dim=1)
+            loss = b * (t.exp() * (t - m)).sum(dim=1) + (1 - b) * ks
+            g = (1 - b) * ps * (s - m - ks.unsqueeze(1)) if grad else None
+        terms = Terms(loss, g, None, None)
+    c = spec.loss_clamp
+    if c is None:
+        return terms
+    keep = (terms.loss >= -c) & (terms.loss <= c)
+    g = None if terms.grad is None else torch.where(keep.unsqueeze(1), terms.grad, 0.0)
+    return terms._replace(loss=terms.loss.clamp(-c, c), grad=g)
+
+
+def _scale(spec: DistillSpec, t: DistillInputs, dtype: torch.dtype) -> Tensor:
+    """Each token's weight ``w`` in the loss ``sum w l`` (0 at masked positions)."""
+    den = "local" if t.normalizer is None else t.normalizer
+    scale = loss_scale(t.valid, mode=spec.mode, normalizer=den, max_len=spec.max_len, dtype=dtype)  # type: ignore[arg-type]  # fmt: skip
+    return torch.where(t.valid, scale.expand(t.valid.shape), 0.0).reshape(-1)
+
+
+def _teacher_rows(
+    t: DistillInputs, cdt: torch.dtype, s: int, e: int
+) -> tuple[Tensor, Tensor | None]:
+    k = t.teacher.shape[-1]
+    v = t.valid.reshape(-1, 1)[s:e]
+    teacher = torch.where(v, t.teacher.reshape(-1, k)[s:e].to(cdt), 0.0)
+    return teacher, None if t.ids is None else t.ids.reshape(-1, k)[s:e]
+
+
+def _whole(parts: list[Tensor], batch: int, seq: int) -> Tensor | None:
+    return torch.cat(parts).view(batch, seq) if parts else None
+
+
+def forward_pass(
+    spec: DistillSpec,
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    t: DistillInputs,
+    need: tuple[bool, bool, bool],
+) -> tuple[Tensor, Terms, tuple[Tensor | None, ...]]:
+    """(loss, the per-token ``Terms`` ``[batch, seq]`` without gradient, the gradients)."""
+    batch, seq = t.valid.shape
+    flat = hidden.reshape(batch * seq, hidden.shape[-1])
+    chunks = chunks_for(flat, weight, bias, spec.chunk, spec.temperature)
+    cdt, valid = chunks.cdt, t.valid.reshape(-1, 1)
+    w = _scale(spec, t, cdt)
+    grads = grads_for(chunks, flat, need) if any(need) else None
+    total, losses, smass, tmass = flat.new_zeros((), dtype=cdt), [], [], []
+    for s, e in chunks.spans():
+        h = torch.where(valid[s:e], flat[s:e], 0.0)  # masked rows reach nothing
+        teacher, ids = _teacher_rows(t, cdt, s, e)
+        terms = chunk_terms(spec, chunks.log_softmax(h), teacher, ids, grads is not None)
+        loss = torch.where(valid[s:e, 0], terms.loss, 0.0)
+        total = total + (w[s:e] * loss).sum()
+        losses.append(loss)
+        if terms.student_mass is not None and terms.teacher_mass is not None:
+            smass.append(terms.student_mass)
+            tmass.append(terms.teacher_mass)
+        if grads is not None and terms.grad is not None:
+            g = terms.grad * (w[s:e] / spec.temperature).unsqueeze(1)
+            grads.add(g.to(chunks.nbuf.dtype) if chunks.narrow else g, h, s, e)
+    chunks.release()
+    gh, gw, gb = (None, None, None) if grads is None else grads.result()
+    if need[0] and gh is None:
+        gh = torch.zeros_like(flat)
+    per_token = _whole(losses, batch, seq)
+    out = Terms(flat.new_zeros(batch, seq, dtype=cdt) if per_token is None else per_token,
+                None, _whole(smass, batch, seq), _whole(tmass, batch, seq))  # fmt: skip
+    return total, out, (None if gh is None else gh.view(hidden.shape), gw, gb)
+
+
+def reference_loss(
+    spec: DistillSpec, hidden: Tensor, weight: Tensor, bias: Tensor | None, t: DistillInputs
+) -> Tensor:
+    """The definition under autograd: the whole ``[tokens, vocab]`` logits (the naive
+    path's memory); differentiated for ``create_graph=True``."""
+    batch, seq = t.valid.shape
+    cdt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    valid = t.valid.reshape(-1, 1)
+    flat = torch.where(valid, hidden.reshape(batch * seq, -1), 0.0)
+    s = torch.log_softmax(linear(flat, weight, bias).to(cdt) / spec.temperature, dim=1)
+    teacher, ids = _teacher_rows(t, cdt, 0, batch * seq)
+    if ids is not None or spec.topk is not None:
+        if ids is None:
+            teacher, ids = torch.log_softmax(teacher / spec.temperature, dim=1).topk(spec.topk or 1)
+        sk, c, tl = s.gather(1, ids), spec.logp_clamp, teacher
+        skc, tlc = (sk, tl) if c is None else (sk.clamp(min=c), tl.clamp(min=c))
+        pt = tlc.exp()
+        loss = torch.where(pt > 0, pt * (tlc - skc), 0.0).sum(dim=1).clamp(min=0.0)
+    else:
+        sf = s.clamp(min=LOGP_FLOOR)
+        tf = torch.log_softmax(teacher / spec.temperature, dim=1).clamp(min=LOGP_FLOOR)
+        b = spec.beta
+        if spec.kind == "forward_kl":
+            loss = (tf.exp() * (tf - sf)).sum(dim=1)
+        elif spec.kind == "reverse_kl":
+            loss = (sf.exp() * (sf - tf)).sum(dim=1)
+        else:
+            m = torch.logaddexp(sf + math.log1p(-b), tf + math.log(b))
+            loss = b * (tf.exp() * (tf - m)).sum(1) + (1 - b) * (sf.exp() * (sf - m)).sum(1)
+    if spec.loss_clamp is not None:
+        loss = loss.clamp(-spec.loss_clamp, spec.loss_clamp)
+    return (_scale(spec, t, cdt) * torch.where(valid[:, 0], loss, 0.0)).sum()
+
+
+class LinearDistill(torch.autograd.Function):
+    """``(loss, per-token loss, student mass, teacher mass)``; the gradients are formed in
+    forward and handed over (eager) or saved (under ``torch.compile``)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, spec: DistillSpec,
+        t: DistillInputs,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+        need = tuple(bool(n) for n in ctx.needs_input_grad[:3])
+        loss, terms, grads = forward_pass(spec, hidden, weight, bias, t, need)  # type: ignore[arg-type]
+        ctx.spec, ctx.inputs, ctx.need = spec, t, need
+        ctx.handover = not is_compiling()
+        ctx.grads = grads if ctx.handover else None
+        saved = [] if ctx.handover else [g for g in grads if g is not None]
+        ctx.save_for_backward(hidden, weight, bias, *saved)
+        extra = [  # two tensors: one output twice is not traceable
+            terms.loss.new_zeros(0) if x is None else x
+            for x in (terms.student_mass, terms.teacher_mass)
+        ]
+        ctx.mark_non_differentiable(terms.loss, *extra)
+        return loss, terms.loss, extra[0], extra[1]
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor, *_: Any) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        hidden, weight, bias, *saved = ctx.saved_tensors
+        wanted = [x for x, n in zip((hidden, weight, bias), ctx.need, strict=True) if n]
+        if torch.is_grad_enabled():  # create_graph=True: differentiate the definition
+            with torch.enable_grad():
+                loss = reference_loss(ctx.spec, hidden, weight, bias, ctx.inputs)
+                got = iter(torch.autograd.grad(loss, wanted, grad_out, create_graph=True))
+            return (*(next(got) if n else None for n in ctx.need), None, None)
+        if ctx.handover:
+            grads, ctx.grads = ctx.grads, None
+            if grads is None:  # a second backward through a retained graph
+                grads = forward_pass(ctx.spec, hidden, weight, bias, ctx.inputs, ctx.need)[2]
+        else:
+            it = iter(saved)
+            grads = tuple(next(it) if n else None for n in ctx.need)
+        out = [None if g is None else (g * grad_out).to(g.dtype) for g in grads]
+        return (*out, None, None)

@@ -1,0 +1,293 @@
+r"""``linear_distill_loss``: logit distillation straight from the student's hidden states.
+
+The student's ``[tokens, vocab]`` logits are never formed whole: a chunk of tokens at a
+time, its logits, its log-softmax, each token's divergence from the teacher and at once
+the chunk's gradients (3 matmuls in all; :mod:`dapo_ops.logprobs._distill_terms`). The
+divergences are TRL 1.16 GKD's (``GKDTrainer.generalized_jsd_loss``) against the
+teacher's logits and verl 0.9.1's ``forward_kl_topk`` against its top-k log-probs;
+``docs/distillation.md`` derives them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, NamedTuple, TypedDict
+
+import torch
+from jaxtyping import Bool, Float, Integer
+from torch import Tensor
+from typing_extensions import Unpack
+
+from dapo_ops._core._rules import AGGREGATION_MODES, AggregationMode, Normalizer
+from dapo_ops._core._validate import (
+    InputError,
+    as_bool_mask,
+    check_float,
+    check_no_grad,
+    check_option,
+    check_same_device,
+    check_tensor,
+    is_compiling,
+    shape_str,
+)
+from dapo_ops.engine.aggregation import check_max_len, check_normalizer
+from dapo_ops.logprobs._distill_terms import DistillInputs, DistillSpec, LinearDistill, forward_pass
+from dapo_ops.logprobs._fused_linear import DEFAULT_FUSED_CHUNK_ELEMENTS
+from dapo_ops.logprobs._logprob_checks import auto_chunk, check_options, check_projection
+
+__all__ = ["DistillDiagnostics", "linear_distill_loss", "linear_distill_loss_with_diagnostics"]
+
+DistillKind = Literal["forward_kl", "reverse_kl", "jsd"]
+DISTILL_KINDS: tuple[str, ...] = ("forward_kl", "reverse_kl", "jsd")
+
+
+class DistillOptions(TypedDict, total=False):
+    """The keyword options of :func:`linear_distill_loss`."""
+
+    teacher_ids: Tensor | None
+    kind: DistillKind
+    beta: float | None
+    temperature: float
+    topk: int | None
+    log_prob_min_clamp: float | None
+    loss_clamp: float | None
+    bias: Tensor | None
+    mode: AggregationMode
+    normalizer: Normalizer
+    max_len: int | None
+    chunk_size: int | None
+
+
+class DistillDiagnostics(NamedTuple):
+    """What :func:`linear_distill_loss_with_diagnostics` measured, detached, ``[batch,
+    seq]`` in the compute dtype: ``per_token`` each token's loss after the clamps (0 at
+    masked positions: TRL's ``reduction="none"`` summed over the vocabulary, verl's
+    ``distillation_losses``); on the top-k path ``student_mass`` and ``teacher_mass``, the
+    probability either puts on the teacher's top-k ids (verl's metrics), else None."""
+
+    per_token: Float[Tensor, "batch seq"]
+    student_mass: Float[Tensor, "batch seq"] | None
+    teacher_mass: Float[Tensor, "batch seq"] | None
+
+
+def _number(name: str, value: object, ok: bool, expected: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok:
+        raise InputError(f"{name} must be {expected}; got {value!r}")
+
+
+def _check_ids(ids: object, shape: torch.Size, valid: Tensor, vocab: int) -> Tensor:
+    check_tensor("teacher_ids", ids)
+    assert isinstance(ids, Tensor)
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise InputError(f"teacher_ids must be an integer tensor of token ids, got {ids.dtype}")
+    if ids.shape != shape:
+        raise InputError(
+            f"teacher_ids must have the shape of teacher (its top-k log-probs) "
+            f"{list(shape)}, got {shape_str(ids)}"
+        )
+    check_same_device("teacher_ids", ids, "mask", valid)
+    ids = torch.where(valid.unsqueeze(-1), ids, 0).to(torch.int64)
+    if not is_compiling() and ids.numel():
+        lo, hi = torch.stack(torch.aminmax(ids)).tolist()  # value check: one host sync
+        if lo < 0 or hi >= vocab:
+            raise InputError(
+                f"teacher_ids must hold ids in [0, vocab) = [0, {vocab}) at unmasked "
+                f"positions; got values in [{lo}, {hi}]"
+            )
+    return ids
+
+
+def _prepare(
+    hidden: object, weight: object, teacher: object, mask: object, o: DistillOptions
+) -> tuple[DistillSpec, Tensor, Tensor, Tensor | None, DistillInputs]:
+    """Check every argument (metadata only, plus the teacher ids' range)."""
+    h, w, b = check_projection(hidden, weight, o.get("bias"), "[batch, seq, d]")
+    check_float("teacher", teacher)  # type: ignore[arg-type]
+    assert isinstance(teacher, Tensor)
+    check_tensor("mask", mask)
+    assert isinstance(mask, Tensor)
+    valid = as_bool_mask("mask", mask, "hidden[..., 0]", h[..., 0])
+    for name, t in (("teacher", teacher), ("mask", valid)):
+        check_same_device(name, t, "hidden", h)
+    check_no_grad("teacher", teacher)
+    kind, beta = o.get("kind", "forward_kl"), o.get("beta")
+    check_option("kind", kind, DISTILL_KINDS)
+    if kind != "jsd" and beta is not None:
+        raise InputError(f"beta is the JSD's mixture weight: kind='jsd' only; got beta={beta!r} with kind={kind!r}")  # fmt: skip
+    beta = 0.5 if beta is None else beta
+    _number("beta", beta, isinstance(beta, (int, float)) and 0 < beta < 1,
+            "a number in (0, 1) (TRL's beta=0 is kind='forward_kl', beta=1 kind='reverse_kl')")  # fmt: skip
+    temperature, chunk_size = o.get("temperature", 1.0), o.get("chunk_size")
+    check_options(temperature, chunk_size)
+    mode, max_len = o.get("mode", "token_mean"), o.get("max_len")
+    check_option("mode", mode, AGGREGATION_MODES)
+    check_max_len(max_len)
+    vocab, lead = w.shape[0], h.shape[:2]
+    ids, topk = o.get("teacher_ids"), o.get("topk")
+    if topk is not None:
+        _number("topk", topk, isinstance(topk, int) and 1 <= topk <= vocab, f"an int in [1, vocab={vocab}] or None")  # fmt: skip
+    if teacher.shape[:2] != lead or teacher.ndim != 3:
+        want = "[batch, seq, k] (top-k log-probs)" if ids is not None else "[batch, seq, vocab]"
+        raise InputError(f"teacher must have shape {want} with [batch, seq] = {list(lead)}, got {shape_str(teacher)}")  # fmt: skip
+    if ids is None and teacher.shape[-1] != vocab:
+        raise InputError(
+            f"teacher (the teacher's logits) must have vocab = weight's rows = {vocab} in its "
+            f"last dim, got {shape_str(teacher)}; top-k log-probs go with teacher_ids"
+        )
+    if ids is not None:
+        ids = _check_ids(ids, teacher.shape, valid, vocab)
+        if topk is not None and topk != teacher.shape[-1]:
+            raise InputError(f"topk must be None or teacher's k = {teacher.shape[-1]} with teacher_ids, got {topk}")  # fmt: skip
+    on_topk = ids is not None or topk is not None
+    if on_topk and kind != "forward_kl":
+        raise InputError(f"the top-k loss is verl's forward KL over the teacher's top-k ids: kind='forward_kl' only, got {kind!r}")  # fmt: skip
+    clamp, loss_clamp = o.get("log_prob_min_clamp"), o.get("loss_clamp")
+    if clamp is not None:
+        _number("log_prob_min_clamp", clamp, isinstance(clamp, (int, float)) and math.isfinite(clamp) and on_topk,
+                "a finite number (or None) on the top-k path (teacher_ids or topk)")  # fmt: skip
+    if loss_clamp is not None:
+        _number("loss_clamp", loss_clamp, isinstance(loss_clamp, (int, float)) and 0 < loss_clamp < math.inf,
+                "a finite number > 0 or None")  # fmt: skip
+    given = check_normalizer(o.get("normalizer"))
+    den = None
+    if given is not None:
+        if isinstance(given, Tensor):
+            check_no_grad("normalizer", given)
+        cdt = torch.float64 if h.dtype == torch.float64 else torch.float32
+        den = torch.as_tensor(given, dtype=cdt, device=h.device)
+    chunk = auto_chunk(chunk_size, vocab, h.device, DEFAULT_FUSED_CHUNK_ELEMENTS)
+    spec = DistillSpec(
+        kind, float(beta), float(temperature), topk,
+        None if clamp is None else float(clamp), None if loss_clamp is None else float(loss_clamp),
+        mode, max_len, chunk,
+    )  # fmt: skip
+    return spec, h, w, b, DistillInputs(teacher.detach(), ids, valid, den)
+
+
+def _run(
+    spec: DistillSpec, h: Tensor, w: Tensor, b: Tensor | None, t: DistillInputs
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    need = tuple(torch.is_grad_enabled() and x is not None and x.requires_grad for x in (h, w, b))
+    if any(need):
+        return LinearDistill.apply(h, w, b, spec, t)  # type: ignore[no-any-return,no-untyped-call]
+    loss, terms, _ = forward_pass(spec, h, w, b, t, (False, False, False))
+    empty = terms.loss.new_zeros(0)
+    sm, tm = terms.student_mass, terms.teacher_mass
+    return loss, terms.loss, empty if sm is None else sm, empty if tm is None else tm
+
+
+def linear_distill_loss(
+    hidden: Float[Tensor, "batch seq d"],
+    weight: Float[Tensor, "vocab d"],
+    teacher: Float[Tensor, "batch seq vocab"] | Float[Tensor, "batch seq k"],
+    mask: Bool[Tensor, "batch seq"] | Integer[Tensor, "batch seq"],
+    *,
+    teacher_ids: Integer[Tensor, "batch seq k"] | None = None,
+    kind: DistillKind = "forward_kl",
+    beta: float | None = None,
+    temperature: float = 1.0,
+    topk: int | None = None,
+    log_prob_min_clamp: float | None = None,
+    loss_clamp: float | None = None,
+    bias: Float[Tensor, " vocab"] | None = None,
+    mode: AggregationMode = "token_mean",
+    normalizer: Normalizer = None,
+    max_len: int | None = None,
+    chunk_size: int | None = None,
+) -> Float[Tensor, ""]:
+    r"""A distillation loss from the student's last hidden states: no logits tensor.
+
+    With :math:`s = \log\mathrm{softmax}((hW^\top + b)/T)` the student's log-probs and
+    :math:`t` the teacher's, each valid token's loss :math:`l` is, by ``kind``:
+
+    - ``"forward_kl"``: :math:`\sum_v p_t (t - s)`, :math:`KL(\pi_T\|\pi_\theta)`
+      (TRL GKD ``beta=0``);
+    - ``"reverse_kl"``: :math:`\sum_v p_s (s - t)`, :math:`KL(\pi_\theta\|\pi_T)`
+      (TRL GKD ``beta=1``);
+    - ``"jsd"``: :math:`\beta\,KL(\pi_T\|M) + (1-\beta)\,KL(\pi_\theta\|M)` with the
+      mixture :math:`M = \beta\pi_T + (1-\beta)\pi_\theta`, ``0 < beta < 1`` (TRL GKD's
+      generalised JSD, Agarwal et al. 2024 eq. 1; default 0.5, TRL's);
+
+    then clipped to ``+-loss_clamp`` (verl's ``loss_max_clamp``; None: not clipped) and
+    aggregated as :func:`token_level_aggregate` (``mode``, ``normalizer``, ``max_len``).
+
+    The teacher: ``teacher`` its logits ``[batch, seq, vocab]`` (divided by ``T`` too, as
+    TRL), or with ``teacher_ids`` its top-k log-probs ``[batch, seq, k]`` at those ids
+    (taken as given). On the top-k path (``teacher_ids``, or ``topk=k`` to reduce the
+    teacher's logits to its ``k`` most likely tokens) the loss is verl's
+    ``forward_kl_topk``: :math:`\max(0, \sum_{j \le k} e^{t_j'} (t_j' - s_j'))` with
+    :math:`s_j` the student's log-prob at id :math:`j` (normalised over the whole
+    vocabulary), :math:`x' = \max(x, c)` for ``c = log_prob_min_clamp`` (None: no floor;
+    verl's config default is -10.0) and the clamp at 0 that verl applies (top-k masses do
+    not sum to 1); ``kind="forward_kl"`` only.
+
+    Exact: it equals the naive composition (``h @ W.T``, ``log_softmax``, the formulas
+    above) and so TRL's ``generalized_jsd_loss`` (``reduction="batchmean"`` with labels:
+    ``mode="token_mean"``; ``"sum"``: ``normalizer=1``; ``"mean"``: ``normalizer=`` valid
+    tokens times vocab; ``num_items_in_batch=n``: ``normalizer=n``) and verl's
+    ``compute_forward_kl_topk`` on the same inputs, values and gradients. Differences,
+    deliberate: float64 inputs are computed in float64 (verl's KL casts to float32); a
+    teacher log-prob of ``-inf`` contributes 0 (TRL and verl: NaN).
+
+    Memory: beyond the inputs, the gradients (the weight's summed in float32) and a few
+    ``[chunk, vocab]`` buffers; never a ``[tokens, vocab]`` tensor. Time: 3 matmuls of
+    ``[tokens, d] x [d, vocab]`` (the naive path: 3 too, plus the logits' memory).
+
+    Shapes and dtypes: hidden ``[batch, seq, d]``, weight ``[vocab, d]``, bias ``[vocab]``
+    (one dtype, one device); teacher_ids integer in ``[0, vocab)`` at unmasked positions
+    (one host sync, eager only); mask ``[batch, seq]``. Returns a 0-dim float32 loss
+    (float64 for float64 hidden); bfloat16/float16 matmuls run in that dtype, the
+    softmaxes and the loss in float32. Masked positions reach neither the loss nor any
+    gradient, whatever hidden, teacher and teacher_ids hold there. The teacher must not
+    require grad. ``chunk_size``: tokens per chunk (None: ``max(1, E // vocab)``, as
+    :func:`linear_policy_loss`). Under ``torch.compile(fullgraph=True)`` the chunks are
+    traced as functional ops; double backward differentiates the naive composition.
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> hidden = torch.randn(2, 5, 8, generator=g, requires_grad=True)
+        >>> weight = torch.randn(32, 8, generator=g, requires_grad=True)
+        >>> teacher = torch.randn(2, 5, 32, generator=g)
+        >>> mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 0, 0, 0]]).bool()
+        >>> loss = linear_distill_loss(hidden, weight, teacher, mask, kind="jsd", beta=0.5)
+        >>> loss.backward()
+        >>> bool(loss > 0), weight.grad.shape
+        (True, torch.Size([32, 8]))
+    """
+    options: DistillOptions = {  # a plain dict: torch.compile traces it
+        "teacher_ids": teacher_ids, "kind": kind, "beta": beta, "temperature": temperature,
+        "topk": topk, "log_prob_min_clamp": log_prob_min_clamp, "loss_clamp": loss_clamp,
+        "bias": bias, "mode": mode, "normalizer": normalizer, "max_len": max_len,
+        "chunk_size": chunk_size,
+    }  # fmt: skip
+    spec, h, w, b, t = _prepare(hidden, weight, teacher, mask, options)
+    return _run(spec, h, w, b, t)[0]
+
+
+def linear_distill_loss_with_diagnostics(
+    hidden: Float[Tensor, "batch seq d"],
+    weight: Float[Tensor, "vocab d"],
+    teacher: Float[Tensor, "batch seq vocab"] | Float[Tensor, "batch seq k"],
+    mask: Bool[Tensor, "batch seq"] | Integer[Tensor, "batch seq"],
+    **options: Unpack[DistillOptions],
+) -> tuple[Float[Tensor, ""], DistillDiagnostics]:
+    """:func:`linear_distill_loss` (same arguments and options) and the per-token losses
+    (and, on the top-k path, the top-k masses) it saw: :class:`DistillDiagnostics`,
+    detached, no host sync beyond the ids' range check.
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> hidden, weight = torch.randn(1, 3, 4, generator=g), torch.randn(10, 4, generator=g)
+        >>> ids = torch.tensor([[[1, 2], [3, 4], [5, 6]]])
+        >>> logp = torch.full((1, 3, 2), -1.0)
+        >>> loss, d = linear_distill_loss_with_diagnostics(
+        ...     hidden, weight, logp, torch.ones(1, 3, dtype=torch.bool), teacher_ids=ids)
+        >>> tuple(d.per_token.shape), bool((d.teacher_mass - 2 * torch.e**-1).abs().max() < 1e-6)
+        ((1, 3), True)
+    """
+    spec, h, w, b, t = _prepare(hidden, weight, teacher, mask, options)
+    loss, per_token, smass, tmass = _run(spec, h, w, b, t)
+    topk = t.ids is not None or spec.topk is not None
+    return loss, DistillDiagnostics(
+        per_token.detach(), smass.detach() if topk else None, tmass.detach() if topk else None
+    )
