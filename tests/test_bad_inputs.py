@@ -197,7 +197,9 @@ LINEAR_OPTS = {
 # linear_distill_loss: the teacher's logits (a -inf logit: a masked vocabulary entry, 0),
 # or its top-k log-probs at teacher_ids (a -inf log-prob contributes 0), constants.
 TEACHER_LOGITS = Arg("float", ("B", "S", "V"), masked_by="mask", const=True, neginf=ANY)
-TEACHER_TOPK = Arg("float", ("B", "S", "C"), masked_by="mask", const=True, lo=-3.0, hi=-0.05, neginf=ANY)
+TEACHER_TOPK = Arg(
+    "float", ("B", "S", "C"), masked_by="mask", const=True, lo=-3.0, hi=-0.05, neginf=ANY
+)
 DISTILL_OPTS = {
     "mode": BAD_MODE,
     "normalizer": BAD_NORM,
