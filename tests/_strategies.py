@@ -33,6 +33,17 @@ def make_batch(
     return PolicyBatch(logp.to(dtype), old.to(dtype), adv.to(dtype), mask)
 
 
+def projection_leaves(
+    g: torch.Generator, rows: tuple[int, ...], dim: int, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float64 hidden states ``[*rows, dim]``, weight ``[vocab, dim]`` and bias ``[vocab]``
+    that require grad, and token ids ``[*rows]``, drawn from ``g`` in that order."""
+    hidden = torch.randn(*rows, dim, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(vocab, dim, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(vocab, generator=g, dtype=torch.float64, requires_grad=True)
+    return hidden, weight, bias, torch.randint(0, vocab, rows, generator=g)
+
+
 @st.composite
 def policy_batches(draw: st.DrawFn, max_batch: int = 6, max_seq: int = 24) -> PolicyBatch:
     batch = draw(st.integers(1, max_batch))

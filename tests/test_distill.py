@@ -44,6 +44,12 @@ def make(seed: int, rows: int = 5, seq: int = 7, teachers: int = 0, dtype: Any =
     return logp.to(dtype), teacher.to(dtype), mask
 
 
+def unit_advantage_loss(logp: Any, old: Any, mask: Any, **options: Any) -> Any:
+    """ClipHigher's :func:`policy_loss` with advantage 1 on every row, in ``old``'s dtype."""
+    ones = torch.ones(mask.shape[0], dtype=old.dtype)
+    return d.policy_loss(d.ClipHigher(), logp, old, ones, mask, **options)
+
+
 def formula(distill: TeacherKL, logp: Any, teacher: Any, mask: Any) -> Any:
     """Per-token ``D`` written out (float64), 0 at masked positions."""
     s, t = logp.to(F64), teacher.to(F64)
@@ -193,15 +199,7 @@ def test_nonfinite_at_masked_positions_changes_nothing(bad: float) -> None:
 
     def run(lp0: Any, t: Any) -> Any:
         lp = lp0.clone().requires_grad_(True)
-        loss = d.policy_loss(
-            d.ClipHigher(),
-            lp,
-            logp,
-            torch.ones(5, dtype=F64),
-            mask,
-            teacher_logp=t,
-            distill=distill,
-        )
+        loss = unit_advantage_loss(lp, logp, mask, teacher_logp=t, distill=distill)
         (g,) = torch.autograd.grad(loss, lp)
         return loss, g, distill_advantages(lp0, t, mask, distill=distill)
 
@@ -218,9 +216,7 @@ def test_compile_fullgraph(monkeypatch: pytest.MonkeyPatch) -> None:
     torch._dynamo.reset()
 
     def step(lp: Any) -> Any:
-        loss = d.policy_loss(
-            d.ClipHigher(), lp, logp, torch.ones(5), mask, teacher_logp=teacher, distill=distill
-        )
+        loss = unit_advantage_loss(lp, logp, mask, teacher_logp=teacher, distill=distill)
         return loss, distill_advantages(
             lp, teacher, mask, distill=distill, task_advantages=torch.ones(5)
         )
@@ -240,15 +236,8 @@ def test_compile_fullgraph(monkeypatch: pytest.MonkeyPatch) -> None:
 
     original = _compiled.compiled_body
     monkeypatch.setattr(_compiled, "compiled_body", lambda backend: original("aot_eager"))
-    got = d.policy_loss(
-        d.ClipHigher(),
-        logp,
-        logp,
-        torch.ones(5),
-        mask,
-        teacher_logp=teacher,
-        distill=distill,
-        compiled=True,
+    got = unit_advantage_loss(
+        logp, logp, mask, teacher_logp=teacher, distill=distill, compiled=True
     )
     torch.testing.assert_close(got, want_loss.detach())
 
@@ -287,18 +276,8 @@ def test_bad_calls_are_refused() -> None:
     with pytest.raises(InputError, match="teacher_logp"):
         distill_loss(logp, teacher[:, :, :3], mask)
     with pytest.raises(InputError, match="teacher_logp"):
-        d.policy_loss(
-            d.ClipHigher(), logp, logp, torch.ones(5, dtype=F64), mask, distill=TeacherKL()
-        )
+        unit_advantage_loss(logp, logp, mask, distill=TeacherKL())
     with pytest.raises(InputError, match="distill"):
-        d.policy_loss(
-            d.ClipHigher(),
-            logp,
-            logp,
-            torch.ones(5, dtype=F64),
-            mask,
-            teacher_logp=teacher,
-            distill=d.KLPenalty(),
-        )
+        unit_advantage_loss(logp, logp, mask, teacher_logp=teacher, distill=d.KLPenalty())
     with pytest.raises(InputError, match="teacher_logp"):
         distill_advantages(logp, teacher.requires_grad_(True), mask)

@@ -225,11 +225,23 @@ def test_micro_batches_add_up_with_the_global_normalizer(objective: d.Objective,
     """Micro-batches of 1, 2 and 1 rows, each normalised by the step's count: their losses
     and weight gradients sum, and their hidden gradients concatenate, to the whole
     batch's (float64, within F64_RTOL of each entry plus the largest)."""
-    p = problem()
     opts: dict[str, Any] = {"mode": mode, "entropy_coef": 0.02, "chunk_size": 5}
-    whole = grads(linear(objective, p, opts), p)
     parts = [slice(0, 1), slice(1, 3), slice(3, 4)]
-    den = d.global_normalizer([p["mask"][s] for s in parts], mode=mode)
+    assert_micro_batches_add_up(objective, problem(), opts, parts, f"{objective}, {mode}")
+
+
+def assert_micro_batches_add_up(
+    objective: d.Objective,
+    p: dict[str, Tensor],
+    opts: dict[str, Any],
+    parts: list[slice],
+    what: str,
+) -> None:
+    """The row slices ``parts`` of ``p``, each normalised by the step's global count
+    (``opts["mode"]``): losses and weight gradients sum, hidden gradients concatenate, to
+    the whole batch's (:func:`assert_f64`)."""
+    whole = grads(linear(objective, p, opts), p)
+    den = d.global_normalizer([p["mask"][s] for s in parts], mode=opts["mode"])
     pieces = []
     for s in parts:
         q = {
@@ -242,7 +254,7 @@ def test_micro_batches_add_up_with_the_global_normalizer(objective: d.Objective,
         sum(x[1][1] for x in pieces),
         sum(x[1][2] for x in pieces),
     ]
-    assert_f64((total, summed), whole, f"{objective}, {mode}: micro-batches")  # type: ignore[arg-type]
+    assert_f64((total, summed), whole, f"{what}: micro-batches")  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- float32, bfloat16
@@ -308,6 +320,23 @@ def float32_bounds(
     return loss.detach(), loss_err, want, errs
 
 
+def assert_within_float32_bounds(
+    objective: d.Objective,
+    p: dict[str, Tensor],
+    coef: float,
+    dtype: torch.dtype,
+    opts: dict[str, Any],
+) -> None:
+    """:func:`linear` on the ``dtype`` problem ``p`` with ``entropy_coef=coef`` and ``opts``:
+    a float32 loss and ``dtype`` gradients, each within :func:`float32_bounds`."""
+    loss, grad = grads(linear(objective, p, {"entropy_coef": coef} | opts), p)
+    assert loss.dtype == torch.float32 and all(g.dtype == dtype for g in grad)
+    want_loss, loss_err, want, errs = float32_bounds(objective, p, coef, dtype)
+    assert_within(loss, want_loss, loss_err, "loss")
+    for name, x, y, e in zip(("hidden", "weight", "bias"), grad, want, errs, strict=True):
+        assert_within(x, y, e, f"{dtype} d {name}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("objective", [d.ClipHigher(), d.PolicyGradient()])
 @pytest.mark.parametrize("chunk", [None, 5])
@@ -318,13 +347,7 @@ def test_low_precision_within_derived_bounds(
     loss and the gradients, in the input dtype, within the derived bounds of the exact
     values of the same (rounded) inputs."""
     p = problem(4, 9, 16, 301, seed=3, dtype=dtype)
-    coef = 0.05
-    loss, grad = grads(linear(objective, p, {"entropy_coef": coef, "chunk_size": chunk}), p)
-    assert loss.dtype == torch.float32 and all(g.dtype == dtype for g in grad)
-    want_loss, loss_err, want, errs = float32_bounds(objective, p, coef, dtype)
-    assert_within(loss, want_loss, loss_err, "loss")
-    for name, x, y, e in zip(("hidden", "weight", "bias"), grad, want, errs, strict=True):
-        assert_within(x, y, e, f"{dtype} d {name}")
+    assert_within_float32_bounds(objective, p, 0.05, dtype, {"chunk_size": chunk})
 
 
 # --------------------------------------------------------------------------- rules

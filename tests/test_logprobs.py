@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 from _bounds import assert_within, fused_reference, softmax_reference, sum_bound
+from _strategies import projection_leaves
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -97,10 +98,7 @@ def test_gradcheck_3d_and_noncontiguous_view() -> None:
 )
 def test_gradcheck_fused(chunk: int | None, temperature: float, bias: bool) -> None:
     g = torch.Generator().manual_seed(2)
-    hidden = torch.randn(7, 5, generator=g, dtype=F64, requires_grad=True)
-    weight = torch.randn(13, 5, generator=g, dtype=F64, requires_grad=True)
-    b = torch.randn(13, generator=g, dtype=F64, requires_grad=True)
-    tokens = torch.randint(0, 13, (7,), generator=g)
+    hidden, weight, b, tokens = projection_leaves(g, (7,), 5, 13)
     args = (hidden, weight, b) if bias else (hidden, weight)
 
     def f(h: torch.Tensor, w: torch.Tensor, *rest: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -18,11 +18,13 @@ from typing import Any
 import pytest
 import torch
 from _bounds import assert_within
+from _strategies import projection_leaves
 from test_linear_loss import (
     CASES,
     assert_f64,
+    assert_micro_batches_add_up,
+    assert_within_float32_bounds,
     case_inputs,
-    float32_bounds,
     grads,
     linear,
     naive_loss,
@@ -94,34 +96,18 @@ def test_every_objective_and_mode(i: int) -> None:
 @pytest.mark.parametrize("objective", [d.ClipHigher(), d.GSPO()])
 def test_micro_batches_add_up(objective: d.Objective) -> None:
     """Micro-batches normalised by the step's global count add up to the whole batch."""
-    p, mode = problem(), "seq_mean_token_mean"
-    opts: dict[str, Any] = {"mode": mode, "entropy_coef": 0.02} | TRITON
-    whole = grads(linear(objective, p, opts), p)
-    parts = [slice(0, 1), slice(1, 4)]
-    den = d.global_normalizer([p["mask"][s] for s in parts], mode=mode)
-    pieces = []
-    for s in parts:
-        q = {
-            k: v[s] if k in ("hidden", "tokens", "old", "adv", "mask") else v for k, v in p.items()
-        }
-        pieces.append(grads(linear(objective, q, opts | {"normalizer": den}), q))
-    summed = [torch.cat([x[1][0] for x in pieces]), *(sum(x[1][j] for x in pieces) for j in (1, 2))]
-    total = torch.stack([x[0] for x in pieces]).sum()
-    assert_f64((total, summed), whole, f"{objective!r}: micro-batches")  # type: ignore[arg-type]
+    opts: dict[str, Any] = {"mode": "seq_mean_token_mean", "entropy_coef": 0.02} | TRITON
+    assert_micro_batches_add_up(
+        objective, problem(), opts, [slice(0, 1), slice(1, 4)], repr(objective)
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_low_precision_within_derived_bounds(dtype: torch.dtype) -> None:
     """float32 / bfloat16 inputs (tiles accumulated in float32, ``G`` rounded to the input
     dtype before its matmuls): within the bounds of the exact values."""
-    objective, coef = d.ClipHigher(), 0.05
     p = problem(4, 9, 16, 100, seed=3, dtype=dtype)
-    loss, got = grads(linear(objective, p, {"entropy_coef": coef} | TRITON), p)
-    assert loss.dtype == torch.float32 and all(g.dtype == dtype for g in got)
-    want_loss, loss_err, want, errs = float32_bounds(objective, p, coef, dtype)
-    assert_within(loss, want_loss, loss_err, "loss")
-    for name, x, y, e in zip(("hidden", "weight", "bias"), got, want, errs, strict=True):
-        assert_within(x, y, e, f"{dtype} d {name}")
+    assert_within_float32_bounds(d.ClipHigher(), p, 0.05, dtype, TRITON)
 
 
 def test_masked_positions_change_nothing() -> None:
@@ -165,10 +151,7 @@ def test_fused_logprobs_entropy() -> None:
     """Log-probs and entropies with gradients from both outputs (float64 gradcheck), and
     one output's gradient alone."""
     g = torch.Generator().manual_seed(4)
-    h = torch.randn(2, 5, 5, generator=g, dtype=F64, requires_grad=True)
-    w = torch.randn(20, 5, generator=g, dtype=F64, requires_grad=True)
-    b = torch.randn(20, generator=g, dtype=F64, requires_grad=True)
-    tokens = torch.randint(0, 20, (2, 5), generator=g)
+    h, w, b, tokens = projection_leaves(g, (2, 5), 5, 20)
 
     def fn(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(d.fused_logprobs_entropy(h, w, tokens, bias=b, temperature=0.7, **TRITON))

@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from _strategies import projection_leaves
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -297,10 +298,7 @@ def test_gradcheck(trunc: dict) -> None:
 
     assert torch.autograd.gradcheck(both, (logits,))
     assert torch.autograd.gradgradcheck(both, (logits,))
-    hidden = torch.randn(2, 3, 4, generator=g, dtype=F64, requires_grad=True)
-    weight = torch.randn(10, 4, generator=g, dtype=F64, requires_grad=True)
-    bias = torch.randn(10, generator=g, dtype=F64, requires_grad=True)
-    tok = torch.randint(0, 10, (2, 3), generator=g)
+    hidden, weight, bias, tok = projection_leaves(g, (2, 3), 4, 10)
 
     def fused(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(d.fused_logprobs_entropy(h, w, tok, bias=b, chunk_size=4, **trunc))

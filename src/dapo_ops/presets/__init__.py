@@ -6,24 +6,7 @@ TRL options from its current values. ``dapo_ops.presets.DAPO`` and ``from dapo_o
 import ...`` are the documented paths.
 """
 
-from dapo_ops.presets.recipes import (
-    CISPO,
-    DAPO,
-    DR_GRPO,
-    GRPO,
-    GSPO,
-    PRESETS,
-    ObjectivePreset,
-    UnknownPresetError,
-)
+from dapo_ops.presets import recipes
+from dapo_ops.presets.recipes import *  # noqa: F403
 
-__all__ = [
-    "CISPO",
-    "DAPO",
-    "DR_GRPO",
-    "GRPO",
-    "GSPO",
-    "PRESETS",
-    "ObjectivePreset",
-    "UnknownPresetError",
-]
+__all__ = list(recipes.__all__)

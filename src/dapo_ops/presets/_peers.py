@@ -10,37 +10,9 @@ something else. The objective's options are the inverse of the adapters' reading
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
-
 from dapo_ops._core._validate import InputError
-from dapo_ops.engine.kl import KLPenalty
-from dapo_ops.objectives import CISPO, GSPO, ClipHigher, Objective
-
-
-@runtime_checkable
-class ObjectivePreset(Protocol):
-    """The fields of :class:`dapo_ops.presets.ObjectivePreset` read here (typed by shape,
-    so this module need not import the recipes that call it)."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def objective(self) -> Objective: ...
-    @property
-    def mode(self) -> str: ...
-    @property
-    def kl(self) -> KLPenalty | None: ...
-    @property
-    def advantage_scale(self) -> str: ...
-    @property
-    def advantage_baseline(self) -> str: ...
-    @property
-    def dynamic_sampling(self) -> bool: ...
-    @property
-    def overlong_penalty(self) -> bool: ...
-    @property
-    def overlong_filter(self) -> bool: ...
-
+from dapo_ops.objectives import CISPO, GSPO, ClipHigher
+from dapo_ops.presets._settings import PresetSettings
 
 #: dapo_ops KL estimator -> verl ``kl_loss_type`` (``+`` appended for ``straight_through``).
 VERL_KL_TYPES = {"k1": "kl", "k2": "mse", "k3": "low_var_kl", "abs": "abs"}
@@ -52,12 +24,12 @@ TRL_LOSS_TYPES = {
 }
 
 
-def _refuse(preset: ObjectivePreset, peer: str, field: str, why: str) -> InputError:
+def _refuse(preset: PresetSettings, peer: str, field: str, why: str) -> InputError:
     value = getattr(preset, field)
     return InputError(f"preset {preset.name!r}: {field}={value!r} has no {peer} setting ({why})")
 
 
-def verl_options(preset: ObjectivePreset) -> dict[str, object]:
+def verl_options(preset: PresetSettings) -> dict[str, object]:
     """verl's actor / algorithm / reward options that select this preset's settings."""
     obj = preset.objective
     if isinstance(obj, ClipHigher):
@@ -87,7 +59,7 @@ def verl_options(preset: ObjectivePreset) -> dict[str, object]:
     return out
 
 
-def trl_options(preset: ObjectivePreset) -> dict[str, object]:
+def trl_options(preset: PresetSettings) -> dict[str, object]:
     """TRL ``GRPOConfig`` options that select this preset's settings.
 
     ``dynamic_sampling`` and ``overlong_penalty`` are not ``GRPOConfig`` options: they are

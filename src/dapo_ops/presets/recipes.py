@@ -11,24 +11,22 @@ sampling) the host loop runs. Switch recipe by switching preset, derive one with
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
-from typing import Literal
 
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
-from dapo_ops._core._rules import AGGREGATION_MODES, AggregationMode, Normalizer
-from dapo_ops._core._validate import InputError, check_option
+from dapo_ops._core._rules import Normalizer
+from dapo_ops._core._validate import InputError
 from dapo_ops.advantages.group import group_advantages
 from dapo_ops.engine.kl import KLPenalty
 from dapo_ops.engine.policy import policy_loss
 from dapo_ops.objectives import CISPO as CISPOObjective
 from dapo_ops.objectives import GSPO as GSPOObjective
-from dapo_ops.objectives import ClipHigher, Objective
-from dapo_ops.objectives.base import check_objective_value
+from dapo_ops.objectives import ClipHigher
 from dapo_ops.presets._peers import trl_options, verl_options
+from dapo_ops.presets._settings import PresetSettings
 
 __all__ = [
     "CISPO",
@@ -43,7 +41,7 @@ __all__ = [
 
 
 @dataclasses.dataclass(frozen=True)
-class ObjectivePreset:
+class ObjectivePreset(PresetSettings):
     """Every choice that differs between DAPO, GRPO, Dr. GRPO, GSPO and CISPO.
 
     ``objective``: the loss (an :class:`~dapo_ops.objectives.Objective` value);
@@ -53,40 +51,9 @@ class ObjectivePreset:
     :func:`overlong_filter` and :func:`dynamic_sample_mask` to run. The properties
     :attr:`verl` and :attr:`trl` give the matching options of those trainers, derived from
     the current fields (so from a :meth:`replace` copy's own values). Every field is
-    validated at construction and by :meth:`replace`.
+    validated at construction and by :meth:`replace` (the fields and their checks are
+    defined in ``presets/_settings.py``, which ``presets/_peers.py`` reads).
     """
-
-    name: str
-    paper: str
-    objective: Objective
-    mode: AggregationMode
-    advantage_scale: Literal["group", "batch", "none"]
-    advantage_baseline: Literal["mean", "leave_one_out"] = "mean"
-    advantage_eps: float = 0.0
-    kl: KLPenalty | None = None
-    overlong_penalty: bool = False
-    overlong_filter: bool = False
-    dynamic_sampling: bool = False
-
-    def __post_init__(self) -> None:
-        check_objective_value(self.objective, "ObjectivePreset.objective")
-        check_option("ObjectivePreset.mode", self.mode, AGGREGATION_MODES)
-        check_option(
-            "ObjectivePreset.advantage_scale", self.advantage_scale, ("group", "batch", "none")
-        )
-        check_option(
-            "ObjectivePreset.advantage_baseline", self.advantage_baseline, ("mean", "leave_one_out")
-        )
-        eps = self.advantage_eps
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
-            raise InputError(f"ObjectivePreset.advantage_eps must be finite and >= 0, got {eps!r}")
-        if self.kl is not None and not isinstance(self.kl, KLPenalty):
-            raise InputError(f"ObjectivePreset.kl must be a KLPenalty or None, got {self.kl!r}")
-        for flag in ("overlong_penalty", "overlong_filter", "dynamic_sampling"):
-            if not isinstance(getattr(self, flag), bool):
-                raise InputError(
-                    f"ObjectivePreset.{flag} must be a bool, got {getattr(self, flag)!r}"
-                )
 
     @property
     def verl(self) -> Mapping[str, object]:

@@ -9,7 +9,13 @@ from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
 from dapo_ops._core._checked import checks_values
-from dapo_ops._core._groups import segment_count, segment_reduce, segment_sum, segments
+from dapo_ops._core._groups import (
+    Segments,
+    segment_count,
+    segment_reduce,
+    segment_sum,
+    segments,
+)
 from dapo_ops._core._validate import (
     InputError,
     check_finite,
@@ -19,14 +25,20 @@ from dapo_ops._core._validate import (
     shape_str,
 )
 
-
-def dynamic_sample_mask(
-    metric: Float[Tensor, "groups samples"]
+#: A task metric per sample, dense ``[groups, samples]`` or flat ``[batch]`` (with
+#: ``group_ids``): float, integer or bool.
+MetricTensor = (
+    Float[Tensor, "groups samples"]
     | Integer[Tensor, "groups samples"]
     | Bool[Tensor, "groups samples"]
     | Float[Tensor, " batch"]
     | Integer[Tensor, " batch"]
-    | Bool[Tensor, " batch"],
+    | Bool[Tensor, " batch"]
+)
+
+
+def dynamic_sample_mask(
+    metric: MetricTensor,
     group_ids: Integer[Tensor, " batch"] | None = None,
     *,
     atol: float = 0.0,
@@ -67,9 +79,7 @@ def dynamic_sample_mask(
         >>> dynamic_sample_mask(acc)
         tensor([ True, False, False])
     """
-    check_tensor("metric", metric)
-    if metric.dtype.is_complex:
-        raise InputError(f"metric must be real, got {metric.dtype}")
+    _check_real_metric(metric)
     atol = check_real("atol", atol)
     if not atol >= 0.0:
         raise InputError(f"atol must be finite and >= 0, got {atol}")
@@ -85,18 +95,11 @@ def dynamic_sample_mask(
             segment_reduce(seg, values, "amax"), segment_reduce(seg, values, "amin"), atol
         )
     keep = varies & (segment_count(seg, torch.int64) >= 2)
-    if seg.dense_shape is None:
-        return keep[seg.segment]
-    return keep[: seg.dense_shape[0]]
+    return _per_layout(seg, keep)
 
 
 def difficulty_band_mask(
-    metric: Float[Tensor, "groups samples"]
-    | Integer[Tensor, "groups samples"]
-    | Bool[Tensor, "groups samples"]
-    | Float[Tensor, " batch"]
-    | Integer[Tensor, " batch"]
-    | Bool[Tensor, " batch"],
+    metric: MetricTensor,
     group_ids: Integer[Tensor, " batch"] | None = None,
     *,
     low: float = 0.1,
@@ -137,9 +140,7 @@ def difficulty_band_mask(
         >>> difficulty_band_mask(acc, low=0.1, high=0.95)
         tensor([ True, False,  True, False])
     """
-    check_tensor("metric", metric)
-    if metric.dtype.is_complex:
-        raise InputError(f"metric must be real, got {metric.dtype}")
+    _check_real_metric(metric)
     low = check_real("low", low)
     high = check_real("high", high)
     if not low < high:
@@ -151,6 +152,17 @@ def difficulty_band_mask(
     count = segment_count(seg, torch.float64)
     mean = segment_sum(seg, values) / count.clamp(min=1.0)
     keep = (mean > low) & (mean < high) & (count >= 1)
+    return _per_layout(seg, keep)
+
+
+def _check_real_metric(metric: Tensor) -> None:
+    check_tensor("metric", metric)
+    if metric.dtype.is_complex:
+        raise InputError(f"metric must be real, got {metric.dtype}")
+
+
+def _per_layout(seg: Segments, keep: Tensor) -> Tensor:
+    """One verdict per group (dense layout), or each sample its group's (flat layout)."""
     if seg.dense_shape is None:
         return keep[seg.segment]
     return keep[: seg.dense_shape[0]]
