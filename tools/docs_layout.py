@@ -8,7 +8,8 @@ has laid out (MathJax included), lists
 - each code block (``pre > code``) and API signature whose text is wider than its box
   (a cut line: the reader would have to scroll, or would not see the end), and
 - each inline code span inside a table cell that the browser broke across lines
-  (a name broken mid-word);
+  (a name broken mid-word), and, as a note only, each table wider than the page (the
+  theme's wrapper scrolls it sideways: nothing is cut);
 
 Chromium runs the copy headless (``--dump-dom``) and the lists are read back from the
 DOM. Exit status 1 when any page has one. ``--screenshots`` also saves a PNG of each page's
@@ -35,6 +36,12 @@ window.addEventListener("load", () => setTimeout(() => {
   });
   document.querySelectorAll("table code").forEach((el) => {
     if (el.getClientRects().length > 1) cut.push("broken: " + el.textContent.slice(0, 70));
+  });
+  document.querySelectorAll(".md-typeset__scrollwrap").forEach((el) => {
+    if (el.scrollWidth > el.clientWidth + 1) {
+      const head = el.querySelector("th");
+      cut.push("note: table scrolls sideways: " + (head ? head.textContent : "").slice(0, 40));
+    }
   });
   document.body.setAttribute("data-layout", JSON.stringify(cut));
 }, 300));
@@ -88,14 +95,19 @@ def main(argv: list[str] | None = None) -> int:
     pages = sorted(
         p for p in args.site.rglob("*.html") if "<code" in p.read_text() and p.name != "404.html"
     )
-    bad = 0
+    bad = notes = 0
     with ThreadPoolExecutor(max_workers=2) as pool:
         found = pool.map(lambda p: check_page(p, args.width, args.screenshots, args.site), pages)
     for page, problems in zip(pages, found, strict=True):
         for problem in problems:
             print(f"{page.relative_to(args.site)}: {problem}")
-        bad += bool(problems)
-    print(f"{len(pages)} pages with code at {args.width} px: {bad} with a cut or broken line")
+        bad += any(not p.startswith("note:") for p in problems)
+        notes += sum(p.startswith("note:") for p in problems)
+    print(
+        f"{len(pages)} pages with code at {args.width} px: {bad} with a cut or broken line; "
+        f"{notes} tables scroll sideways (Material's table wrapper: nothing is cut, wide "
+        "tables scroll; not an error)"
+    )
     return 1 if bad else 0
 
 
