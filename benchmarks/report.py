@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import Case, Result, Target
+from benchmarks.pending import PENDING
 
 FORMAT = 2
 CASE_FIELDS = (
@@ -29,26 +30,6 @@ CASE_FIELDS = (
     "back_to_back",
     "limit_bytes",
 )
-
-
-#: Rows a suite has that its device's record predates and this project could not measure
-#: since (device -> (text in the implementation's name, why)): the page lists them, and
-#: tests/test_benchmarks_docs.py accepts them as not measured, and fails once they are.
-PENDING: dict[str, tuple[tuple[str, str], ...]] = {
-    "cuda": (
-        (
-            "backend='triton'",
-            "the Triton kernels (issue 30) were written in a session without a GPU: "
-            "`bash tools/gpu_session.sh` measures them",
-        ),
-        ("TOPR()", "the TOPR objective came after the GPU run"),
-    ),
-}
-
-
-def pending(device: str, impl: str) -> str | None:
-    """Why ``impl`` has no result yet on ``device`` (see :data:`PENDING`), else None."""
-    return next((why for text, why in PENDING.get(device, ()) if text in impl), None)
 
 
 def load(path: Path) -> dict[str, Any]:

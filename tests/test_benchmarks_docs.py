@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 pytest.importorskip("benchmarks.run", reason="run from the repository root")
 
 from benchmarks import report, summary  # noqa: E402
+from benchmarks.pending import pending  # noqa: E402
 from benchmarks.suites import SUITES  # noqa: E402
 
 DATA = report.load(ROOT / "docs" / "benchmarks.json")
@@ -59,10 +60,10 @@ def test_results_cover_the_current_suite(device: str, suite: str) -> None:
     measured = {
         (r["op"], r["size"], r["impl"]) for r in record["results"] if not _peer_row(r["impl"])
     }
-    # rows the page lists as not measured yet on this device (report.PENDING, with why)
-    waiting = {row for row in harness - measured if report.pending(device, row[2])}
-    assert not {row for row in measured if report.pending(device, row[2])}, (
-        "measured now: remove them from benchmarks.report.PENDING"
+    # rows the page lists as not measured yet on this device (benchmarks.pending.PENDING, with why)
+    waiting = {row for row in harness - measured if pending(device, row[2])}
+    assert not {row for row in measured if pending(device, row[2])}, (
+        "measured now: remove them from benchmarks.pending.PENDING"
     )
     harness -= waiting
     assert harness == measured, {
