@@ -31,7 +31,8 @@ from _strategies import MODES, make_batch
 
 import dapo_ops as d
 
-pytestmark = pytest.mark.usefixtures("no_runtime_typecheck")
+# slow: compiles (README's fast subset, -m "not slow and not distributed", leaves it out)
+pytestmark = [pytest.mark.usefixtures("no_runtime_typecheck"), pytest.mark.slow]
 
 F32, F64 = torch.float32, torch.float64
 

@@ -32,7 +32,8 @@ from test_fused import (
 from dapo_ops import ClipHigher, InputError, checked, token_level_loss
 from dapo_ops.engine._engine import LossSpec, generic_terms
 
-pytestmark = pytest.mark.usefixtures("no_runtime_typecheck")
+# slow: compiles (README's fast subset, -m "not slow and not distributed", leaves it out)
+pytestmark = [pytest.mark.usefixtures("no_runtime_typecheck"), pytest.mark.slow]
 
 
 def compiled_and_reference(

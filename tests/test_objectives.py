@@ -41,6 +41,9 @@ from dapo_ops.objectives import (
 )
 from dapo_ops.objectives.base import check_field, check_number
 
+# slow: every objective through every conformance check (README's fast subset, -m "not slow and not distributed", leaves it out)
+pytestmark = pytest.mark.slow
+
 
 # --------------------------------------------------------------------------- user objectives
 @dataclasses.dataclass(frozen=True)

@@ -35,6 +35,9 @@ import dapo_ops as d
 from dapo_ops import testing
 from dapo_ops.objectives import OBJECTIVES
 
+# slow: Triton's interpreter (README's fast subset, -m "not slow and not distributed", leaves it out)
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("triton")
 F64 = torch.float64
 TRITON = {"backend": "triton"}
