@@ -65,8 +65,11 @@ class Terms(NamedTuple):
     teacher_mass: Tensor | None
 
 
-def _topk_terms(spec: DistillSpec, s: Tensor, tl: Tensor, ids: Tensor, grad: bool) -> Terms:
-    """verl's ``forward_kl_topk`` on one chunk (``s`` the student's log-softmax)."""
+def _topk_terms(
+    spec: DistillSpec, s: Tensor, tl: Tensor, ids: Tensor, grad: bool, eager: bool
+) -> Terms:
+    """verl's ``forward_kl_topk`` on one chunk (``s`` the student's log-softmax, overwritten
+    by the gradient when ``eager``)."""
     sk = s.gather(1, ids)
     smass, tmass = sk.exp().sum(dim=1), tl.exp().sum(dim=1)
     c = spec.logp_clamp
@@ -80,44 +83,99 @@ def _topk_terms(spec: DistillSpec, s: Tensor, tl: Tensor, ids: Tensor, grad: boo
     a = torch.where(keep.unsqueeze(1), -pt, 0.0)  # d loss / d s at the ids
     if c is not None:
         a = torch.where(sk >= c, a, 0.0)
-    g = (s.exp() * -a.sum(dim=1, keepdim=True)).scatter_add(1, ids, a)
+    if eager:
+        g = s.exp_().mul_(-a.sum(dim=1, keepdim=True)).scatter_add_(1, ids, a)
+    else:
+        g = (s.exp() * -a.sum(dim=1, keepdim=True)).scatter_add(1, ids, a)
     return Terms(loss, g, smass, tmass)
 
 
+def _full_terms(spec: DistillSpec, lp: Tensor, t: Tensor, grad: bool) -> Terms:
+    """The whole-vocabulary losses, written functionally (traced by ``torch.compile``)."""
+    s = lp.clamp(min=LOGP_FLOOR)  # -inf logits: 0 * finite, no probability changes
+    t = t.clamp(min=LOGP_FLOOR)
+    ps, g = lp.exp(), None
+    if spec.kind == "forward_kl":
+        pt = t.exp()
+        loss = (pt * (t - s)).sum(dim=1)
+        g = ps * pt.sum(dim=1, keepdim=True) - pt if grad else None
+    elif spec.kind == "reverse_kl":
+        loss = (ps * (s - t)).sum(dim=1)
+        g = ps * (s - t - loss.unsqueeze(1)) if grad else None
+    else:
+        b = spec.beta
+        m = torch.logaddexp(s + math.log1p(-b), t + math.log(b))
+        ks = (ps * (s - m)).sum(dim=1)
+        loss = b * (t.exp() * (t - m)).sum(dim=1) + (1 - b) * ks
+        g = (1 - b) * ps * (s - m - ks.unsqueeze(1)) if grad else None
+    return Terms(loss, g, None, None)
+
+
+def _full_terms_(spec: DistillSpec, s: Tensor, t: Tensor, sc: Tensor) -> Terms:
+    """:func:`_full_terms` in place, the same values bit for bit: ``s``, ``t`` (the two
+    chunk buffers) overwritten, one holding the gradient at the end; the steps that need
+    three values at once run on pieces of rows through ``sc`` (``[2, piece, vocab]``)."""
+    s, t = s.clamp_(min=LOGP_FLOOR), t.clamp_(min=LOGP_FLOOR)
+    n, piece, b, kind = s.shape[0], sc.shape[1], spec.beta, spec.kind
+    loss, kt = s.new_empty(n), s.new_empty(n)
+    for i, e in [(i, min(i + piece, n)) for i in range(0, n, piece)]:
+        sp, tp, x, y = s[i:e], t[i:e], sc[0, : e - i], sc[1, : e - i]
+        if kind == "forward_kl":  # t: p_t, s: its log-softmax until the gradient
+            torch.sum(torch.sub(tp, sp, out=x).mul_(tp.exp_()), dim=1, out=loss[i:e])
+        elif kind == "reverse_kl":  # s: p_s, t: s - t, then the gradient
+            d = torch.sub(sp, tp, out=tp)
+            torch.sum(torch.mul(sp.exp_(), d, out=x), dim=1, out=loss[i:e])
+        else:  # x: m, y: p_t (t - m) then p_s; t: t - m; s: s - m, then the gradient
+            m = torch.logaddexp(torch.add(sp, math.log1p(-b), out=x), torch.add(tp, math.log(b), out=y), out=x)  # fmt: skip
+            torch.sum(torch.exp(tp, out=y).mul_(tp.sub_(m)), dim=1, out=kt[i:e])
+            ps = torch.exp(sp, out=y)
+            ks = torch.sum(torch.mul(ps, sp.sub_(m), out=x), dim=1, out=loss[i:e])
+            sp.sub_(ks.unsqueeze(1)).mul_(ps.mul_(1 - b))
+    if kind == "forward_kl":
+        return Terms(loss, s.exp_().mul_(t.sum(dim=1, keepdim=True)).sub_(t), None, None)
+    if kind == "reverse_kl":
+        return Terms(loss, t.sub_(loss.unsqueeze(1)).mul_(s), None, None)
+    return Terms(b * kt + (1 - b) * loss, s, None, None)
+
+
+def teacher_logp(spec: DistillSpec, teacher: Tensor, ids: Tensor | None, eager: bool) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """The teacher's chunk as log-probs: ``log_softmax(teacher / T)`` of its logits (over
+    ``teacher`` itself when ``eager``), reduced to the top-k under ``spec.topk``; top-k
+    log-probs (``ids`` given) as they are."""
+    if ids is not None:
+        return teacher, ids
+    if not eager:
+        t = torch.log_softmax(teacher / spec.temperature, dim=1)
+    else:
+        z = teacher if spec.temperature == 1.0 else teacher.div_(spec.temperature)
+        cpu = z.device.type == "cpu"  # the CPU kernel reads each row before it writes it
+        t = torch._log_softmax(z, 1, False, out=z) if cpu else torch.log_softmax(z, dim=1)
+    return (t, None) if spec.topk is None else t.topk(spec.topk)
+
+
 def chunk_terms(
-    spec: DistillSpec, lp: Tensor, teacher: Tensor, ids: Tensor | None, grad: bool
+    spec: DistillSpec, lp: Tensor, t: Tensor, ids: Tensor | None, grad: bool, sc: Tensor | None
 ) -> Terms:
     """The tokens' losses and gradients for one chunk: ``lp`` the student's log-softmax
-    ``[n, vocab]`` (left as it is), ``teacher`` the chunk's teacher logits (raw) or top-k
-    log-probs, in the compute dtype, finite."""
-    if ids is not None or spec.topk is not None:
-        if ids is None:  # the teacher's logits reduced to their top-k
-            assert spec.topk is not None
-            teacher, ids = torch.log_softmax(teacher / spec.temperature, dim=1).topk(spec.topk)
-        terms = _topk_terms(spec, lp, teacher, ids, grad)
+    ``[n, vocab]``, ``t`` the teacher's log-probs (:func:`teacher_logp`), finite. With
+    ``sc`` (eager, the scratch of :func:`_full_terms_`; ``[0]`` for top-k) ``lp`` and a
+    whole-vocabulary ``t`` are overwritten; without, left as they are."""
+    eager = sc is not None
+    if ids is not None:
+        terms = _topk_terms(spec, lp, t, ids, grad, eager)
+    elif sc is not None:
+        terms = _full_terms_(spec, lp, t, sc)
     else:
-        s = lp.clamp(min=LOGP_FLOOR)  # -inf logits: 0 * finite, no probability changes
-        t = torch.log_softmax(teacher / spec.temperature, dim=1).clamp(min=LOGP_FLOOR)
-        ps, g = lp.exp(), None
-        if spec.kind == "forward_kl":
-            pt = t.exp()
-            loss = (pt * (t - s)).sum(dim=1)
-            g = ps * pt.sum(dim=1, keepdim=True) - pt if grad else None
-        elif spec.kind == "reverse_kl":
-            loss = (ps * (s - t)).sum(dim=1)
-            g = ps * (s - t - loss.unsqueeze(1)) if grad else None
-        else:
-            b = spec.beta
-            m = torch.logaddexp(s + math.log1p(-b), t + math.log(b))
-            ks = (ps * (s - m)).sum(dim=1)
-            loss = b * (t.exp() * (t - m)).sum(dim=1) + (1 - b) * ks
-            g = (1 - b) * ps * (s - m - ks.unsqueeze(1)) if grad else None
-        terms = Terms(loss, g, None, None)
+        terms = _full_terms(spec, lp, t, grad)
+    if not grad:
+        terms = terms._replace(grad=None)
     c = spec.loss_clamp
     if c is None:
         return terms
     keep = (terms.loss >= -c) & (terms.loss <= c)
-    g = None if terms.grad is None else torch.where(keep.unsqueeze(1), terms.grad, 0.0)
+    g = terms.grad
+    if g is not None:
+        g = g.masked_fill_(~keep.unsqueeze(1), 0.0) if eager else torch.where(keep.unsqueeze(1), g, 0.0)  # fmt: skip
     return terms._replace(loss=terms.loss.clamp(-c, c), grad=g)
 
 
@@ -157,10 +215,15 @@ def forward_pass(
     w = _scale(spec, t, cdt)
     grads = grads_for(chunks, flat, need) if any(need) else None
     total, losses, smass, tmass = flat.new_zeros((), dtype=cdt), [], [], []
+    eager, full = not chunks.functional, t.ids is None and spec.topk is None
+    sc = chunks.buf.new_empty(2, chunks.piece, chunks.vocab) if eager and full else None
+    sc = chunks.buf.new_empty(0, 0, 0) if eager and sc is None else sc
     for s, e in chunks.spans():
         h = torch.where(valid[s:e], flat[s:e], 0.0)  # masked rows reach nothing
-        teacher, ids = _teacher_rows(t, cdt, s, e)
-        terms = chunk_terms(spec, chunks.log_softmax(h), teacher, ids, grads is not None)
+        tl, ids = teacher_logp(
+            spec, *_teacher_rows(t, cdt, s, e), eager
+        )  # before lp: 1 buffer less
+        terms = chunk_terms(spec, chunks.log_softmax(h), tl, ids, grads is not None, sc)
         loss = torch.where(valid[s:e, 0], terms.loss, 0.0)
         total = total + (w[s:e] * loss).sum()
         losses.append(loss)
@@ -168,8 +231,11 @@ def forward_pass(
             smass.append(terms.student_mass)
             tmass.append(terms.teacher_mass)
         if grads is not None and terms.grad is not None:
-            g = terms.grad * (w[s:e] / spec.temperature).unsqueeze(1)
-            grads.add(g.to(chunks.nbuf.dtype) if chunks.narrow else g, h, s, e)
+            ws = (w[s:e] / spec.temperature).unsqueeze(1)
+            g = terms.grad.mul_(ws) if eager else terms.grad * ws
+            if chunks.narrow:
+                g = chunks.nbuf[: e - s].copy_(g) if eager else g.to(chunks.nbuf.dtype)
+            grads.add(g, h, s, e)
     chunks.release()
     gh, gw, gb = (None, None, None) if grads is None else grads.result()
     if need[0] and gh is None:
