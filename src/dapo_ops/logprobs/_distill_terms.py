@@ -16,7 +16,10 @@ w.r.t. the scaled logits :math:`x = z / T`, through :math:`G = a - p_s \sum_v a_
   from below at ``log_prob_min_clamp``, the token's loss at 0, :math:`a` at the ids only.
 
 The chunk's ``grad_hidden`` and share of ``grad_weight`` are formed at once (3 matmuls in
-all); backward scales them. :func:`reference_terms` is the definition under autograd.
+all); backward scales them. Eager, every step runs in place over the two chunk
+buffers (the student's, the teacher's) and two piece-sized scratch rows; under
+``torch.compile`` the same steps are written functionally. :func:`reference_loss` is the
+definition under autograd.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from torch import Tensor
 
 from dapo_ops._core._validate import is_compiling
 from dapo_ops.engine.aggregation import loss_scale
-from dapo_ops.logprobs._fused_linear import chunks_for, grads_for, linear
+from dapo_ops.logprobs._fused_linear import Chunks, chunks_for, grads_for, linear
 from dapo_ops.logprobs._softmax_blocks import LOGP_FLOOR
 
 
@@ -199,6 +202,15 @@ def _whole(parts: list[Tensor], batch: int, seq: int) -> Tensor | None:
     return torch.cat(parts).view(batch, seq) if parts else None
 
 
+def _weighted(chunks: Chunks, g: Tensor, w: Tensor) -> Tensor:
+    """``g * w`` per row in the dtype of the matmuls; in place when eager."""
+    if chunks.functional:
+        g = g * w.unsqueeze(1)
+        return g.to(chunks.nbuf.dtype) if chunks.narrow else g
+    g = g.mul_(w.unsqueeze(1))
+    return chunks.nbuf[: g.shape[0]].copy_(g) if chunks.narrow else g
+
+
 def forward_pass(
     spec: DistillSpec,
     hidden: Tensor,
@@ -231,11 +243,8 @@ def forward_pass(
             smass.append(terms.student_mass)
             tmass.append(terms.teacher_mass)
         if grads is not None and terms.grad is not None:
-            ws = (w[s:e] / spec.temperature).unsqueeze(1)
-            g = terms.grad.mul_(ws) if eager else terms.grad * ws
-            if chunks.narrow:
-                g = chunks.nbuf[: e - s].copy_(g) if eager else g.to(chunks.nbuf.dtype)
-            grads.add(g, h, s, e)
+            grads.add(_weighted(chunks, terms.grad, w[s:e] / spec.temperature), h, s, e)
+        del tl, terms  # this chunk's buffers go before the next chunk's come
     chunks.release()
     gh, gw, gb = (None, None, None) if grads is None else grads.result()
     if need[0] and gh is None:
