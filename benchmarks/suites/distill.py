@@ -138,15 +138,15 @@ def targets(
     return [because(t, REASON) for t in out]
 
 
-#: Why a target is missed (read off the code, not measured step by step): the chunk math in
-#: ``_distill_terms.chunk_terms`` is written functionally, each elementwise step allocating
-#: its own ``[chunk, vocab]`` temporary (about 5 live at once for the top-k loss, about 10
-#: for the JSD) and each a separate pass; in-place steps through one scratch buffer, as
-#: ``linear_policy_loss``'s ``Chunks.grad_``, would bring it to the budget (not written yet).
+#: Why a target would be missed (read off the code, not measured step by step): eagerly,
+#: ``_distill_terms`` works in place through the student's and the teacher's chunk buffers
+#: and two small scratch slices, so its extra memory is the gradients + two chunks (one
+#: more than ``linear_policy_loss``, whose chunk size it shares); the time is one more
+#: softmax pass per chunk (the teacher's).
 REASON = (
-    "chunk_terms is functional: each elementwise step allocates its own [chunk, vocab] "
-    "temporary (about 5 live at once for the top-k loss, 10 for the JSD) and makes its own "
-    "pass; in-place steps through one scratch buffer (as Chunks.grad_) are not written yet"
+    "each chunk holds the teacher's [chunk, vocab] buffer beside the student's (in place, "
+    "with two small scratch slices): the gradients + two chunks, where linear_policy_loss "
+    "holds one; and one more softmax pass per chunk"
 )
 
 
