@@ -31,9 +31,15 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from dapo_ops._core._validate import is_compiling
 from dapo_ops.engine.aggregation import loss_scale
-from dapo_ops.logprobs._fused_linear import Chunks, chunks_for, grads_for, linear
+from dapo_ops.logprobs._fused_linear import (
+    Chunks,
+    chunks_for,
+    grads_for,
+    grads_from_forward,
+    keep_grads,
+    linear,
+)
 from dapo_ops.logprobs._softmax_blocks import LOGP_FLOOR
 
 
@@ -301,10 +307,7 @@ class LinearDistill(torch.autograd.Function):
         need = tuple(bool(n) for n in ctx.needs_input_grad[:3])
         loss, terms, grads = forward_pass(spec, hidden, weight, bias, t, need)  # type: ignore[arg-type]
         ctx.spec, ctx.inputs, ctx.need = spec, t, need
-        ctx.handover = not is_compiling()
-        ctx.grads = grads if ctx.handover else None
-        saved = [] if ctx.handover else [g for g in grads if g is not None]
-        ctx.save_for_backward(hidden, weight, bias, *saved)
+        keep_grads(ctx, hidden, weight, bias, grads)
         extra = [  # two tensors: one output twice is not traceable
             terms.loss.new_zeros(0) if x is None else x
             for x in (terms.student_mass, terms.teacher_mass)
@@ -314,19 +317,9 @@ class LinearDistill(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor, *_: Any) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        hidden, weight, bias, *saved = ctx.saved_tensors
-        wanted = [x for x, n in zip((hidden, weight, bias), ctx.need, strict=True) if n]
-        if torch.is_grad_enabled():  # create_graph=True: differentiate the definition
-            with torch.enable_grad():
-                loss = reference_loss(ctx.spec, hidden, weight, bias, ctx.inputs)
-                got = iter(torch.autograd.grad(loss, wanted, grad_out, create_graph=True))
-            return (*(next(got) if n else None for n in ctx.need), None, None)
-        if ctx.handover:
-            grads, ctx.grads = ctx.grads, None
-            if grads is None:  # a second backward through a retained graph
-                grads = forward_pass(ctx.spec, hidden, weight, bias, ctx.inputs, ctx.need)[2]
-        else:
-            it = iter(saved)
-            grads = tuple(next(it) if n else None for n in ctx.need)
-        out = [None if g is None else (g * grad_out).to(g.dtype) for g in grads]
-        return (*out, None, None)
+        return grads_from_forward(
+            ctx,
+            grad_out,
+            lambda h, w, b: reference_loss(ctx.spec, h, w, b, ctx.inputs),
+            lambda h, w, b: forward_pass(ctx.spec, h, w, b, ctx.inputs, ctx.need)[2],
+        )

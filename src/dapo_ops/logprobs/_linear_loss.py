@@ -27,10 +27,17 @@ import torch
 from torch import Tensor
 
 from dapo_ops._core._rules import compute_dtype, masked
-from dapo_ops._core._validate import is_compiling
 from dapo_ops.engine._engine import LossSpec, generic_terms, reference_terms
 from dapo_ops.engine.aggregation import loss_scale, scaled_sum
-from dapo_ops.logprobs._fused_linear import Chunks, Grads, chunks_for, grads_for, linear
+from dapo_ops.logprobs._fused_linear import (
+    Chunks,
+    Grads,
+    chunks_for,
+    grads_for,
+    grads_from_forward,
+    keep_grads,
+    linear,
+)
 from dapo_ops.logprobs._softmax_blocks import LOGP_FLOOR
 from dapo_ops.logprobs._truncation import Truncation, thresholds, truncate
 from dapo_ops.objectives import Objective
@@ -284,33 +291,16 @@ class LinearPolicyLoss(torch.autograd.Function):
         need = tuple(bool(n) for n in ctx.needs_input_grad[:3])
         loss, logp, ent, grads = forward_pass(spec, hidden, weight, bias, t, need)  # type: ignore[arg-type]
         ctx.spec, ctx.inputs, ctx.need = spec, t, need
-        # Eager: the gradients are handed over to the first backward (no copy when the
-        # incoming gradient is 1); a second backward through a retained graph forms them
-        # again. Traced by torch.compile: plain saved tensors.
-        ctx.handover = not is_compiling()
-        ctx.grads = grads if ctx.handover else None
-        saved = [] if ctx.handover else [g for g in grads if g is not None]
-        ctx.save_for_backward(hidden, weight, bias, *saved)
+        keep_grads(ctx, hidden, weight, bias, grads)
         ent = logp.new_zeros(0) if ent is None else ent
         ctx.mark_non_differentiable(logp, ent)
         return loss, logp, ent
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor, *_: Any) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        hidden, weight, bias, *saved = ctx.saved_tensors
-        wanted = [x for x, n in zip((hidden, weight, bias), ctx.need, strict=True) if n]
-        if torch.is_grad_enabled():  # create_graph=True: differentiate the definition
-            with torch.enable_grad():
-                loss = reference_loss(ctx.spec, hidden, weight, bias, ctx.inputs)
-                got = iter(torch.autograd.grad(loss, wanted, grad_out, create_graph=True))
-            return (*(next(got) if n else None for n in ctx.need), None, None)
-        if ctx.handover:
-            grads, ctx.grads = ctx.grads, None
-            if grads is None:  # second backward through a retained graph
-                grads = forward_pass(ctx.spec, hidden, weight, bias, ctx.inputs, ctx.need)[3]
-        else:
-            it = iter(saved)
-            grads = tuple(next(it) if n else None for n in ctx.need)
-        one = ctx.handover and grad_out.device.type == "cpu" and float(grad_out) == 1.0
-        out = [g if g is None or one else (g * grad_out).to(g.dtype) for g in grads]
-        return (*out, None, None)
+        return grads_from_forward(
+            ctx,
+            grad_out,
+            lambda h, w, b: reference_loss(ctx.spec, h, w, b, ctx.inputs),
+            lambda h, w, b: forward_pass(ctx.spec, h, w, b, ctx.inputs, ctx.need)[3],
+        )
