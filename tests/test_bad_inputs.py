@@ -235,6 +235,8 @@ REGISTRY: list[Spec] = [
     spec("policy_diagnostics", {"objective": (None, "clip")}, logp=LOGP_M, old_logp=LOGP_M, advantages=ADV_DIAG, mask=MASK, empty="any"),
     spec("policy_loss", {"mode": BAD_MODE, "normalizer": BAD_NORM, "max_len": BAD_INT1, "compiled": BAD_BOOL, "distill": ("k3", KL)}, objective=OBJ, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK, ref_logp=OLD, is_weights=IS_W, kl=KL, kl_weights=IS_W, teacher_logp=TEACHER, distill=DISTILL),
     spec("policy_loss_with_diagnostics", {"mode": BAD_MODE, "normalizer": BAD_NORM, "max_len": BAD_INT1, "distill": ("k3", KL)}, objective=OBJ, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK, ref_logp=OLD, is_weights=IS_W, kl=KL, teacher_logp=TEACHER, distill=DISTILL, empty="any"),
+    spec("prompt_mean_aggregate", {"num_prompts": BAD_NORM}, per_token_loss=TOKEN, mask=MASK, group_ids=GROUP_IDS),
+    spec("prompt_mean_weights", {"num_prompts": BAD_NORM, "dtype": (torch.float16, torch.int64, "float32")}, mask=MASK, group_ids=GROUP_IDS),
     spec("token_level_aggregate", {"mode": BAD_MODE, "normalizer": BAD_NORM, "max_len": BAD_INT1}, per_token_loss=TOKEN, mask=MASK),
     spec("token_level_loss", {"eps_low": BAD_PROB, "eps_high": (-0.1, NAN, INF), "mode": BAD_MODE, "normalizer": BAD_NORM, "dual_clip": (1.0, NAN), "max_len": BAD_INT1, "log_ratio_clamp": BAD_POS, "kl_beta": BAD_NONNEG, "kl_estimator": ("k9",), "compiled": BAD_BOOL, "return_diagnostics": BAD_BOOL}, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK, ref_logp=OLD, is_weights=IS_W, kl_beta=0.1),
     spec("value_loss", {"clip": BAD_POS, "mode": BAD_MODE, "normalizer": BAD_NORM, "max_len": BAD_INT1}, values=TOKEN, old_values=dataclasses.replace(TOKEN, const=True), returns=dataclasses.replace(TOKEN, const=True), mask=MASK),

@@ -11,6 +11,7 @@ from dapo_ops.engine.kl import KLPenalty, kl_penalty
 from dapo_ops.engine.kl_reward import KLReward, adaptive_kl_coef, kl_reward
 from dapo_ops.engine.loss import token_level_loss
 from dapo_ops.engine.policy import policy_loss, policy_loss_with_diagnostics
+from dapo_ops.engine.prompt_mean import prompt_mean_aggregate, prompt_mean_weights
 from dapo_ops.engine.surrogate import clip_higher_surrogate, per_token_loss
 from dapo_ops.engine.surrogate_cispo import cispo_surrogate
 from dapo_ops.engine.surrogate_gspo import gspo_sequence_ratio, gspo_surrogate
@@ -40,6 +41,8 @@ __all__ = [
     "per_token_loss",
     "policy_loss",
     "policy_loss_with_diagnostics",
+    "prompt_mean_aggregate",
+    "prompt_mean_weights",
     "token_level_aggregate",
     "token_level_loss",
     "value_loss",

@@ -177,8 +177,8 @@ def check_max_len(max_len: int | None) -> None:
         raise InputError(f"max_len must be a positive int, got {max_len!r}")
 
 
-def check_normalizer(normalizer: object) -> Tensor | float | None:
-    """Validate ``normalizer``; return it, or None when the local count is to be used.
+def check_normalizer(normalizer: object, name: str = "normalizer") -> Tensor | float | None:
+    """Validate ``normalizer`` (``name`` in errors); return it, or None for the local count.
 
     The local count (``None``) is refused under a multi-rank ``torch.distributed``;
     ``"local"`` opts in to it explicitly. Tensor values are not inspected (that would
@@ -187,35 +187,39 @@ def check_normalizer(normalizer: object) -> Tensor | float | None:
     if normalizer is None or isinstance(normalizer, str):
         if isinstance(normalizer, str) and normalizer != "local":
             raise InputError(
-                f"normalizer must be a number, a 0-dim tensor, None or 'local'; got {normalizer!r}"
+                f"{name} must be a number, a 0-dim tensor, None or 'local'; got {normalizer!r}"
             )
         if normalizer is None:
-            _refuse_local_count_under_distributed()
+            _refuse_local_count_under_distributed(name)
         return None
     if isinstance(normalizer, Tensor):
         if normalizer.ndim != 0:
-            raise InputError(
-                f"normalizer must be a 0-dim tensor, got shape {list(normalizer.shape)}"
-            )
+            raise InputError(f"{name} must be a 0-dim tensor, got shape {list(normalizer.shape)}")
         if normalizer.is_complex() or normalizer.dtype == torch.bool:
-            raise InputError(f"normalizer must be a real number, got dtype {normalizer.dtype}")
+            raise InputError(f"{name} must be a real number, got dtype {normalizer.dtype}")
     elif isinstance(normalizer, bool) or not isinstance(normalizer, (int, float)):
-        raise InputError(f"normalizer must be a number or a 0-dim tensor, got {normalizer!r}")
+        raise InputError(f"{name} must be a number or a 0-dim tensor, got {normalizer!r}")
     elif not (0 < normalizer < math.inf):
         raise InputError(
-            f"normalizer must be finite and > 0 (a count of tokens or sequences), got {normalizer}"
+            f"{name} must be finite and > 0 (a count of tokens or sequences), got {normalizer}"
         )
     return normalizer  # type: ignore[return-value]
 
 
-def _refuse_local_count_under_distributed() -> None:
+_GLOBAL_COUNT = {
+    "normalizer": "normalizer=dapo_ops.global_normalizer(masks, mode=...)",
+    "num_prompts": "num_prompts=<the step's prompts, summed over ranks, times the world size>",
+}
+
+
+def _refuse_local_count_under_distributed(name: str) -> None:
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         raise InputError(
-            "normalizer=None under torch.distributed with world size "
+            f"{name}=None under torch.distributed with world size "
             f"{dist.get_world_size()} would divide by this rank's own count and change the "
-            "objective; pass normalizer=dapo_ops.global_normalizer(masks, mode=...) or, to "
-            "opt in to the per-rank count (TRL's 'bnpo'), normalizer='local'"
+            f"objective; pass {_GLOBAL_COUNT.get(name, 'the global count')} or, to opt in to "
+            f"the per-rank count (TRL's 'bnpo'), {name}='local'"
         )
 
 

@@ -104,13 +104,13 @@ def check_constants(
 
 
 def normalizer_tensor(
-    normalizer: object, dtype: torch.dtype, device: torch.device
+    normalizer: object, dtype: torch.dtype, device: torch.device, name: str = "normalizer"
 ) -> Tensor | None:
     """``normalizer`` checked (a detached count), as a 0-dim tensor of ``dtype`` on
     ``device``; None for the local count."""
-    given = check_normalizer(normalizer)
+    given = check_normalizer(normalizer, name)
     if given is None:
         return None
     if isinstance(given, Tensor):
-        check_no_grad("normalizer", given)
+        check_no_grad(name, given)
     return torch.as_tensor(given, dtype=dtype, device=device)

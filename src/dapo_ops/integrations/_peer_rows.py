@@ -104,6 +104,10 @@ ROWS: list[Row] = [
     Row(_AGG, "Dr. GRPO: token sums over a constant", 'token_level_aggregate(mode='
         '"seq_mean_token_sum_norm", max_len=L)', ("loss_type=dr_grpo",),
         ('loss_agg_mode="seq-mean-token-sum-norm"',), verl_kind="option"),
+    Row(_AGG, "mean over prompts of their token means (SkyRL prompt_mean)",
+        "prompt_mean_aggregate; prompt_mean_weights", note="SkyRL's loss_reduction="
+        '"prompt_mean" (SkyRL main; no release on the index has it): tested against its '
+        "definition and its own test's example"),
     Row(_KL, "k1: log-ratio", 'KLPenalty(estimator="k1"); openrlhf_kl', (), ("kl", "k1"),
         ('kl_estimator="k1"',), "OpenRLHF clamps every estimate to +-10", verl_kind="option"),
     Row(_KL, "k2: half squared log-ratio", 'KLPenalty(estimator="k2"); openrlhf_kl', (),
