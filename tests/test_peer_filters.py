@@ -177,3 +177,12 @@ def test_difficulty_band_bounds_and_dynamic_sampling() -> None:
         d.difficulty_band_mask(acc01, low=0.5, high=0.5)
     with pytest.raises(d.InputError, match="metric"):
         d.difficulty_band_mask(torch.tensor([[0.5, float("nan")]]))
+
+
+def test_m2po_default_threshold_is_the_authors_budget() -> None:
+    """M2PO's own scripts run with ``M2_budget=0.04``: the default."""
+    g = torch.Generator().manual_seed(3)
+    old = -torch.rand(4, 6, generator=g, dtype=torch.float64)
+    roll = old + 0.4 * torch.randn(4, 6, generator=g, dtype=torch.float64)
+    mask = torch.rand(4, 6, generator=g) < 0.8
+    assert torch.equal(d.m2po_mask(old, roll, mask), d.m2po_mask(old, roll, mask, threshold=0.04))

@@ -29,7 +29,7 @@ def m2po_mask(
     rollout_logp: Float[Tensor, "batch seq"],
     mask: Bool[Tensor, "batch seq"] | Integer[Tensor, "batch seq"],
     *,
-    threshold: float,
+    threshold: float = 0.04,
 ) -> Bool[Tensor, "batch seq"]:
     r"""The valid tokens M2PO keeps: all but the largest :math:`(\log r)^2`, until
     the mean of the rest is below ``threshold``.
@@ -62,8 +62,10 @@ def m2po_mask(
     Shapes: ``[batch, seq]``; returns bool ``[batch, seq]``, False at masked positions.
     Computed in float32 (float64 stays float64), with no host sync (one sort).
 
-    Defaults: none for ``threshold`` (AReaL's ``m2_threshold`` defaults to ``None``: M2PO
-    off); it must be finite and > 0.
+    Defaults: ``threshold=0.04``, the second-moment budget :math:`\tau_M` of the M2PO
+    authors' own training scripts (Zheng et al. 2025, Infini-AI-Lab/M2PO,
+    ``M2_budget=0.04`` at every staleness they report); AReaL has no default (its
+    ``m2_threshold=None`` switches M2PO off). It must be finite and > 0.
 
     Example:
         >>> old = torch.tensor([[-1.0, -1.0, -1.0, -1.0]])
