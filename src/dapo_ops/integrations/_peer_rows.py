@@ -47,6 +47,7 @@ _OBJ, _AGG, _KL, _ADV = "objective", "aggregation", "KL estimator", "advantage e
 _DIST = "distillation term"
 _VS_VERL = ("compared with verl's compute_distillation_loss_reverse_kl_estimator and "
             "distillation_ppo_loss (float64, value and gradient)")  # fmt: skip
+_TD = "tests/integration/test_trl_distill_trainers.py"
 _RC, _SEL, _REG, _OPT, _FILTER = (
     "rollout correction", "token selection", "regulariser", "option", "batch filter")  # fmt: skip
 _CLIPPED = tuple(f"loss_type={t}" for t in ("dapo", "bnpo", "grpo", "dr_grpo", "luspo"))
@@ -144,9 +145,35 @@ ROWS: list[Row] = [
         "(float64 value and gradient; verl's KL runs in float32) and its registered function "
         "(loss, gradient, metrics)", verl_kind="distill"),
     Row(_DIST, "generalised JSD / forward / reverse KL to the teacher's logits (GKD)",
-        'linear_distill_loss(..., kind="jsd")', ("GKDTrainer.generalized_jsd_loss",),
+        'linear_distill_loss(..., kind="jsd")', ("GKDTrainer.generalized_jsd_loss",
+        "GOLDTrainer.generalized_jsd_loss", "IWOPDTrainer.generalized_jsd_loss"),
         note="from the hidden states, no logits tensor; compared with TRL's for every beta, "
-        "temperature and reduction (float64, value and gradient)"),
+        "temperature and reduction (float64, value and gradient; GKD in "
+        "tests/integration/test_linear_distill_peers.py, GOLD (logits_are_probs too) and "
+        f"IW-OPD (top_k=0) in {_TD})"),
+    Row(_DIST, "the same from both models' hidden states, chunked (DistillationTrainer)",
+        'linear_distill_loss(..., kind="jsd")', ("distillation_trainer._chunked_divergence_loss",),
+        note=f"compared in {_TD}: every beta, temperature, num_items_in_batch, lm_head bias, "
+        "logit_scale (folded into the weight and bias), the entropy metric; float32 (TRL's "
+        "kernel computes in float32 whatever the input); the teacher's logits are passed "
+        "whole; final_logit_softcapping (c tanh(z / c), Gemma) has no dapo_ops option"),
+    Row(_DIST, "top-k forward KL with a tail bucket or renormalised (IW-OPD top_k, beta=0)",
+        "", ("IWOPDTrainer.generalized_jsd_loss",), note="linear_distill_loss(..., topk=k) is "
+        "verl's top-k KL F; TRL adds (1 - P_t) log((1 - P_t) / (1 - P_s)) (tail) or takes "
+        f"F / P_t - log P_t + log P_s (renormalised), P the top-k masses: pinned in {_TD}"),
+    Row(_DIST, "top-k support chosen by the student or both, sparse top-1 (IW-OPD beta > 0)",
+        "", ("IWOPDTrainer.generalized_jsd_loss", "_compute_sparse_top_1_divergence_loss"),
+        note="a divergence over the student's top-k or the union with the teacher's (or "
+        "{teacher's argmax, sampled token}) plus a tail bucket: no dapo_ops loss has it"),
+    Row(_DIST, "IW-OPD: sampled-token teacher advantage, prefix-weighted", "distill_advantages; "
+        'TeacherKL(estimator="k1", clamp=None, log_ratio_clamp=None); PolicyGradient; '
+        "policy_loss(..., is_weights=w)", ("IWOPDTrainer._compute_iw_opd_loss",),
+        note=f"compared in {_TD} (float64, value, gradient, metrics); TRL's weights w_t = 1 + "
+        "gamma (1 - S_t / max(S, eps)), S_t the sum of abs(A_u) over u < t and S over the "
+        "row, are computed by the caller: dapo_ops has no function for them"),
+    Row(_DIST, "ULD: L1 between sorted probabilities across tokenizers (GOLD use_uld_loss)", "",
+        ("ULDLoss",), note="cross-tokenizer alignment and a sorted-probability L1: no dapo_ops "
+        "loss has it"),
     Row(_DIST, "teacher term as a supervised loss beside the policy loss",
         "distill_loss; policy_loss(..., teacher_logp=t, distill=TeacherKL())", (),
         ("use_policy_gradient=False",), note=f"{_VS_VERL}; exact across micro-batches with "
