@@ -114,6 +114,29 @@ def _at(name: str, index: tuple[int, ...]) -> str:
     return f"{name}[{', '.join(map(str, index))}]"
 
 
+def _entries_check(
+    name: str,
+    t: Tensor,
+    bad: Tensor,
+    rule: str,
+    *,
+    place: str = "",
+    offend: str = "offend",
+    hint: str = "",
+) -> _Check:
+    """No entry of ``t`` may be ``bad``; the message names the rule, the first offender
+    (``place`` says where it lies), how many offend, then the ``hint``."""
+
+    def message() -> str:
+        index, value, count = _where(t, bad)
+        return (
+            f"{name} must {rule} (checked mode): {_at(name, index)} = {value}{place} "
+            f"({count} of {t.numel()} entries {offend}){hint}"
+        )
+
+    return _Check(bad.any(), message)
+
+
 def _mask_checks(arguments: Mapping[str, object]) -> Iterator[_Check]:
     for role in MASKS:
         value = arguments.get(role)
@@ -125,17 +148,15 @@ def _mask_checks(arguments: Mapping[str, object]) -> Iterator[_Check]:
         for name, t in items:
             if _is_integer_mask(t):
                 assert isinstance(t, Tensor)
-                bad = (t != 0) & (t != 1)
-
-                def message(name: str = name, t: Tensor = t, bad: Tensor = bad) -> str:
-                    index, value, count = _where(t, bad)
-                    return (
-                        f"{name} must hold only 0 and 1 (checked mode): {_at(name, index)} = "
-                        f"{value} ({count} of {t.numel()} entries are neither); an integer mask is otherwise "
-                        f"read as {name} != 0: pass a bool mask or 0/1 values"
-                    )
-
-                yield _Check(bad.any(), message)
+                yield _entries_check(
+                    name,
+                    t,
+                    (t != 0) & (t != 1),
+                    "hold only 0 and 1",
+                    offend="are neither",
+                    hint=f"; an integer mask is otherwise read as {name} != 0: pass a bool mask "
+                    "or 0/1 values",
+                )
 
 
 def _fits(t: Tensor, valid: Tensor | None) -> bool:
@@ -154,17 +175,15 @@ def _log_prob_check(name: str, t: object, valid: Tensor | None) -> Iterator[_Che
     bad = ~(t <= 0)  # positive, +inf or NaN
     if valid is not None:
         bad = bad & valid
-
-    def message() -> str:
-        index, value, count = _where(t, bad)
-        return (
-            f"{name} must be log-probabilities, <= 0 at valid positions (checked mode): "
-            f"{_at(name, index)} = {value} where the mask is nonzero ({count} of "
-            f"{t.numel()} entries offend); logits or probabilities instead of log-probs? Gather log_softmax "
-            f"at the sampled tokens (dapo_ops.token_logprobs)"
-        )
-
-    yield _Check(bad.any(), message)
+    yield _entries_check(
+        name,
+        t,
+        bad,
+        "be log-probabilities, <= 0 at valid positions",
+        place=" where the mask is nonzero",
+        hint="; logits or probabilities instead of log-probs? Gather log_softmax at the sampled "
+        "tokens (dapo_ops.token_logprobs)",
+    )
 
 
 def _advantage_check(name: str, t: object, valid: Tensor | None) -> Iterator[_Check]:
@@ -186,15 +205,9 @@ def _advantage_check(name: str, t: object, valid: Tensor | None) -> Iterator[_Ch
     bad = ~torch.isfinite(t)
     if where is not None:
         bad = bad & where
-
-    def message() -> str:
-        index, value, count = _where(t, bad)
-        return (
-            f"{name} must be finite at valid positions (checked mode): {_at(name, index)} = "
-            f"{value} in a row with valid tokens ({count} of {t.numel()} entries offend)"
-        )
-
-    yield _Check(bad.any(), message)
+    yield _entries_check(
+        name, t, bad, "be finite at valid positions", place=" in a row with valid tokens"
+    )
 
 
 def _verdict_check(name: str, keep: object, group_ids: object) -> Iterator[_Check]:
