@@ -235,6 +235,7 @@ REGISTRY: list[Spec] = [
     spec("policy_diagnostics", {"objective": (None, "clip")}, logp=LOGP_M, old_logp=LOGP_M, advantages=ADV_DIAG, mask=MASK, empty="any"),
     spec("policy_loss", {"mode": BAD_MODE, "normalizer": BAD_NORM, "max_len": BAD_INT1, "compiled": BAD_BOOL, "distill": ("k3", KL)}, objective=OBJ, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK, ref_logp=OLD, is_weights=IS_W, kl=KL, kl_weights=IS_W, teacher_logp=TEACHER, distill=DISTILL),
     spec("policy_loss_with_diagnostics", {"mode": BAD_MODE, "normalizer": BAD_NORM, "max_len": BAD_INT1, "distill": ("k3", KL)}, objective=OBJ, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK, ref_logp=OLD, is_weights=IS_W, kl=KL, teacher_logp=TEACHER, distill=DISTILL, empty="any"),
+    spec("iw_opd_weights", {"gamma": (-0.5, NAN, INF, "0.5", True), "eps": (0.0, -1.0, NAN, INF)}, advantages=TOKEN, mask=MASK),
     spec("prompt_mean_aggregate", {"num_prompts": BAD_NORM}, per_token_loss=TOKEN, mask=MASK, group_ids=GROUP_IDS),
     spec("prompt_mean_weights", {"num_prompts": BAD_NORM, "dtype": (torch.float16, torch.int64, "float32")}, mask=MASK, group_ids=GROUP_IDS),
     spec("token_level_aggregate", {"mode": BAD_MODE, "normalizer": BAD_NORM, "max_len": BAD_INT1}, per_token_loss=TOKEN, mask=MASK),

@@ -235,12 +235,6 @@ def test_iw_opd_topk_forward_kl_is_ours_plus_a_term(
 # --------------------------------------------------------- IW-OPD's sampled-token objective
 
 
-def _prefix_weights(adv: torch.Tensor, gamma: float, eps: float) -> torch.Tensor:
-    """IW-OPD's weight ``1 + gamma (1 - sum_{u<t} |A_u| / max(sum_u |A_u|, eps))``."""
-    a = adv.abs()
-    return 1 + gamma * (1 - (a.cumsum(-1) - a) / a.sum(-1, keepdim=True).clamp_min(eps))
-
-
 @pytest.mark.parametrize(
     ("gamma", "temperature"), list(itertools.product([0.0, 0.5, 2.0], [1.0, 0.7]))
 )
@@ -268,7 +262,7 @@ def test_iw_opd_loss(gamma: float, temperature: float, items: int | None, rollou
     behaviour = logp.detach() if r_logp is None else r_logp
     teacher_k1 = d.TeacherKL(estimator="k1", clamp=None, log_ratio_clamp=None)
     adv = d.distill_advantages(behaviour, t_logp, x.mask, distill=teacher_k1)  # log pi_T - log pi
-    w = _prefix_weights(adv, gamma, 1e-8)
+    w = d.iw_opd_weights(adv, x.mask, gamma=gamma, eps=1e-8)
     norm = {} if items is None else {"normalizer": float(items)}
     got = d.policy_loss(d.PolicyGradient(), logp, logp.detach(), adv, x.mask, is_weights=w, **norm)
     torch.testing.assert_close(got, want, **TOL)

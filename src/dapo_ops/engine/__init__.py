@@ -7,6 +7,7 @@ from dapo_ops.engine.compiled_loss import CompiledPolicyLoss
 from dapo_ops.engine.distill import TeacherKL, distill_advantages, distill_loss
 from dapo_ops.engine.distributed import global_normalizer
 from dapo_ops.engine.entropy import EntropyCoef, adaptive_entropy_coef, entropy_bonus
+from dapo_ops.engine.iw_opd import iw_opd_weights
 from dapo_ops.engine.kl import KLPenalty, kl_penalty
 from dapo_ops.engine.kl_reward import KLReward, adaptive_kl_coef, kl_reward
 from dapo_ops.engine.loss import token_level_loss
@@ -36,6 +37,7 @@ __all__ = [
     "global_normalizer",
     "gspo_sequence_ratio",
     "gspo_surrogate",
+    "iw_opd_weights",
     "kl_penalty",
     "kl_reward",
     "per_token_loss",

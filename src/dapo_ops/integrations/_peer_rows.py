@@ -167,10 +167,9 @@ ROWS: list[Row] = [
         "{teacher's argmax, sampled token}) plus a tail bucket: no dapo_ops loss has it"),
     Row(_DIST, "IW-OPD: sampled-token teacher advantage, prefix-weighted", "distill_advantages; "
         'TeacherKL(estimator="k1", clamp=None, log_ratio_clamp=None); PolicyGradient; '
-        "policy_loss(..., is_weights=w)", ("IWOPDTrainer._compute_iw_opd_loss",),
-        note=f"compared in {_TD} (float64, value, gradient, metrics); TRL's weights w_t = 1 + "
-        "gamma (1 - S_t / max(S, eps)), S_t the sum of abs(A_u) over u < t and S over the "
-        "row, are computed by the caller: dapo_ops has no function for them"),
+        "iw_opd_weights; policy_loss(..., is_weights=w)", ("IWOPDTrainer._compute_iw_opd_loss",),
+        note=f"compared in {_TD} (float64, value, gradient, metrics); iw_opd_weights are TRL's "
+        "w_t = 1 + gamma (1 - S_t / max(S, eps)), S_t the sum of abs(A_u) over u < t"),
     Row(_DIST, "ULD: L1 between sorted probabilities across tokenizers (GOLD use_uld_loss)", "",
         ("ULDLoss",), note="cross-tokenizer alignment and a sorted-probability L1: no dapo_ops "
         "loss has it"),
