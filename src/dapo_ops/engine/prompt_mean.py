@@ -50,9 +50,9 @@ def prompt_mean_weights(
     the weights once over the whole optimiser step (all its rows on this rank), then each
     micro-batch's share is the plain masked sum of its rows,
     ``token_level_aggregate(l_mb * w_mb, mask_mb, normalizer=1)``, and the shares add
-    up to the step's loss exactly, even when a
-    prompt's samples fall into different micro-batches. A sequence of a prompt with no
-    valid token gets weight 0 (it is not a prompt: SkyRL's padding rows).
+    up to the step's loss exactly, even when a prompt's samples fall into different
+    micro-batches. A sequence of a prompt with no valid token gets weight 0 (it is not a
+    prompt: SkyRL's padding rows).
 
     ``num_prompts`` replaces :math:`P` (the prompts with at least one valid token among
     these rows) by a global count, as ``normalizer=`` does for the other modes: the
@@ -69,7 +69,7 @@ def prompt_mean_weights(
     Defaults: the definition of SkyRL's ``loss_reduction="prompt_mean"`` (which applies
     ``w_i`` to the advantages before a summed loss); no SkyRL release on the package
     index has it (0.3.1 does not), so it is tested against the definition and the
-    example of SkyRL's own test (4.25 below).
+    example of SkyRL's own test (4.25: :func:`prompt_mean_aggregate`'s example).
 
     Example:
         >>> mask = torch.tensor([[1, 1], [1, 0], [1, 1], [1, 1]])
