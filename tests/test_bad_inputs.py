@@ -211,6 +211,7 @@ DISTILL_OPTS = {
     "topk": (0, -1, 2.5, True, "3"),
     "log_prob_min_clamp": (NAN, INF, "1"),
     "loss_clamp": (0.0, -1.0, NAN, INF, "1"),
+    "topk_tail": ("tail", "", None, True),
 }
 
 REGISTRY: list[Spec] = [
@@ -226,8 +227,8 @@ REGISTRY: list[Spec] = [
     spec("gspo_surrogate", {"eps_low": BAD_PROB, "eps_high": (-0.1, NAN, INF)}, logp=LOGP, old_logp=OLD, advantages=ADV, mask=MASK),
     spec("kl_cov_mask", {"fraction": (0.0, 1.5, NAN, "0.1")}, logp=COV_LOGP, advantages=COV_ADV, mask=MASK),
     spec("kl_penalty", {"estimator": ("k9", None), "log_ratio_clamp": BAD_POS, "clamp": BAD_POS, "straight_through": BAD_BOOL}, logp=LOGP, ref_logp=OLD, mask=MASK),
-    spec("linear_distill_loss", DISTILL_OPTS, hidden=HIDDEN_LOSS, weight=WEIGHT, teacher=TEACHER_LOGITS, mask=MASK, bias=Arg("float", ("V",), neginf=ANY), kind="jsd"),
-    spec("linear_distill_loss_with_diagnostics", DISTILL_OPTS, hidden=HIDDEN_LOSS, weight=WEIGHT, teacher=TEACHER_TOPK, mask=MASK, teacher_ids=Arg("ids", ("B", "S", "C"), high="V"), log_prob_min_clamp=-2.0, empty="any"),
+    spec("linear_distill_loss", DISTILL_OPTS, hidden=HIDDEN_LOSS, weight=WEIGHT, teacher=TEACHER_LOGITS, mask=MASK, bias=Arg("float", ("V",), neginf=ANY), is_weights=IS_W, kind="jsd"),
+    spec("linear_distill_loss_with_diagnostics", DISTILL_OPTS, hidden=HIDDEN_LOSS, weight=WEIGHT, teacher=TEACHER_TOPK, mask=MASK, teacher_ids=Arg("ids", ("B", "S", "C"), high="V"), is_weights=IS_W, log_prob_min_clamp=-2.0, empty="any"),
     spec("linear_policy_loss", LINEAR_OPTS, hidden=HIDDEN_LOSS, weight=WEIGHT, tokens=TOKENS, old_logp=OLD, advantages=ADV, mask=MASK, bias=Arg("float", ("V",), neginf=ANY), ref_logp=OLD, is_weights=IS_W, kl=KL, entropy_coef=0.01),
     spec("linear_policy_loss_with_diagnostics", LINEAR_OPTS, hidden=HIDDEN_LOSS, weight=WEIGHT, tokens=TOKENS, old_logp=OLD, advantages=ADV, mask=MASK, bias=Arg("float", ("V",), neginf=ANY), ref_logp=OLD, is_weights=IS_W, kl=KL, entropy_coef=0.01, empty="any"),
     spec("objective_diagnostics", objective=OBJ, logp=LOGP_M, old_logp=LOGP_M, advantages=ADV_DIAG, mask=MASK, entropy=ENTROPY, empty="any"),

@@ -33,8 +33,9 @@ def problem(seed: int, dtype: torch.dtype = torch.float64, k: int = 4) -> dict[s
     ids = torch.stack([torch.randperm(V, generator=g)[:k] for _ in range(B * S)]).view(B, S, k)
     logp = torch.log_softmax(3 * torch.randn(B, S, V, generator=g, dtype=dtype), -1)
     topk_logp = logp.gather(-1, ids)
+    is_weights = torch.rand(B, S, generator=g, dtype=dtype) * 1.5
     return {"hidden": hidden, "weight": weight, "bias": bias, "teacher": teacher,
-            "mask": mask, "ids": ids, "topk_logp": topk_logp}  # fmt: skip
+            "mask": mask, "ids": ids, "topk_logp": topk_logp, "is_weights": is_weights}  # fmt: skip
 
 
 def naive_per_token(p: dict[str, Any], opts: dict[str, Any]) -> torch.Tensor:
@@ -48,10 +49,17 @@ def naive_per_token(p: dict[str, Any], opts: dict[str, Any]) -> torch.Tensor:
         else:
             tl, ids = torch.log_softmax(p["teacher"] / temp, -1).topk(opts["topk"], dim=-1)
         sk = s.gather(-1, ids)
-        c = opts.get("log_prob_min_clamp")
+        c, tail = opts.get("log_prob_min_clamp"), opts.get("topk_tail", "none")
         if c is not None:
             sk, tl = sk.clamp_min(c), tl.clamp_min(c)
-        loss = (tl.exp() * (tl - sk)).sum(-1).clamp_min(0.0)
+        f = (tl.exp() * (tl - sk)).sum(-1)
+        pt, ps = tl.exp().sum(-1), sk.exp().sum(-1)
+        if tail == "bucket":  # TRL's add_tail=True: one more category, the rest
+            loss = f + (1 - pt) * (torch.log1p(-pt) - torch.log1p(-ps))
+        elif tail == "renormalize":  # add_tail=False: both renormalised on the ids
+            loss = f / pt - pt.log() + ps.log()
+        else:
+            loss = f.clamp_min(0.0)
     else:
         t = torch.log_softmax(p["teacher"] / temp, -1)
         kind, beta = opts.get("kind", "forward_kl"), opts.get("beta", 0.5)
@@ -66,7 +74,8 @@ def naive_per_token(p: dict[str, Any], opts: dict[str, Any]) -> torch.Tensor:
             ks = F.kl_div(m, s, reduction="none", log_target=True).sum(-1)
             loss = beta * kt + (1 - beta) * ks
     c = opts.get("loss_clamp")
-    return loss if c is None else loss.clamp(-c, c)
+    loss = loss if c is None else loss.clamp(-c, c)
+    return loss if opts.get("is_weights") is None else loss * p["is_weights"]
 
 
 def naive(p: dict[str, Any], opts: dict[str, Any]) -> torch.Tensor:
@@ -81,6 +90,8 @@ def fused(p: dict[str, Any], opts: dict[str, Any]) -> torch.Tensor:
         kw["teacher_ids"] = p["ids"]
     if opts.get("bias") is not None:
         kw["bias"] = p["bias"]
+    if opts.get("is_weights") is not None:
+        kw["is_weights"] = p["is_weights"]
     return d.linear_distill_loss(p["hidden"], p["weight"], teacher, p["mask"], **kw)
 
 
@@ -109,6 +120,13 @@ CASES = [
     {"teacher_ids": True, "log_prob_min_clamp": -10.0, "loss_clamp": 1.0, "mode": "seq_mean_token_sum"},
     {"topk": 3, "temperature": 1.3, "bias": True},
     {"topk": 5, "log_prob_min_clamp": -2.0, "normalizer": 11.0},
+    *({"kind": k, "is_weights": True, "temperature": 0.9} for k in ("forward_kl", "reverse_kl", "jsd")),
+    {"kind": "jsd", "beta": 0.3, "is_weights": True, "loss_clamp": 0.4, "mode": "seq_mean_token_mean", "bias": True},
+    {"teacher_ids": True, "is_weights": True, "log_prob_min_clamp": -3.0},
+    *({"teacher_ids": True, "topk_tail": tl, "temperature": t} for tl, t in itertools.product(("bucket", "renormalize"), (1.0, 0.7))),
+    *({"topk": 3, "topk_tail": tl, "bias": True, "is_weights": True} for tl in ("bucket", "renormalize")),
+    {"teacher_ids": True, "topk_tail": "bucket", "loss_clamp": 0.3, "is_weights": True, "mode": "seq_mean_token_sum_norm", "max_len": 7},
+    {"topk": 1, "topk_tail": "bucket", "temperature": 1.3, "normalizer": 5.0},
 ]  # fmt: skip
 
 
@@ -140,7 +158,13 @@ def test_per_token_diagnostics_and_masses() -> None:
 
 
 @pytest.mark.parametrize(
-    "opts", [{"kind": "jsd", "beta": 0.3, "temperature": 0.9}, {"teacher_ids": True, "log_prob_min_clamp": -4.0}]
+    "opts",
+    [
+        {"kind": "jsd", "beta": 0.3, "temperature": 0.9, "is_weights": True},
+        {"teacher_ids": True, "log_prob_min_clamp": -4.0},
+        {"teacher_ids": True, "topk_tail": "bucket", "is_weights": True, "temperature": 0.8},
+        {"teacher_ids": True, "topk_tail": "renormalize"},
+    ],
 )  # fmt: skip
 def test_gradcheck(opts: dict[str, Any]) -> None:
     p = problem(3)
@@ -148,6 +172,8 @@ def test_gradcheck(opts: dict[str, Any]) -> None:
     kw = {k: v for k, v in opts.items() if k != "teacher_ids"}
     if "teacher_ids" in opts:
         kw["teacher_ids"] = p["ids"]
+    if "is_weights" in opts:
+        kw["is_weights"] = p["is_weights"]
 
     def fn(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return d.linear_distill_loss(h, w, teacher, p["mask"], bias=b, chunk_size=4, **kw)
@@ -157,8 +183,8 @@ def test_gradcheck(opts: dict[str, Any]) -> None:
     assert torch.autograd.gradgradcheck(fn, leaves)  # double backward: the definition
 
 
-@pytest.mark.parametrize("topk", [False, True])
-def test_masked_garbage_changes_nothing_bitwise(topk: bool) -> None:
+@pytest.mark.parametrize("topk", [False, True, "bucket", "renormalize"])
+def test_masked_garbage_changes_nothing_bitwise(topk: bool | str) -> None:
     p = problem(4, torch.float32)
     dirty = {k: v.clone() for k, v in p.items()}
     off = ~p["mask"]
@@ -166,7 +192,11 @@ def test_masked_garbage_changes_nothing_bitwise(topk: bool) -> None:
     dirty["teacher"][off] = float("inf")
     dirty["topk_logp"][off] = float("nan")
     dirty["ids"][off] = -100
-    opts = {"teacher_ids": True} if topk else {"kind": "jsd", "bias": True}
+    dirty["is_weights"][off] = float("nan")
+    opts: dict[str, Any] = {"teacher_ids": True} if topk else {"kind": "jsd", "bias": True}
+    opts["is_weights"] = True
+    if isinstance(topk, str):
+        opts["topk_tail"] = topk
     clean = values_and_grads(fused, p, {**opts, "chunk_size": 3})
     got = values_and_grads(fused, dirty, {**opts, "chunk_size": 3})
     for x, y in zip(got, clean, strict=True):
@@ -195,12 +225,14 @@ def test_micro_batches_add_up(mode: str) -> None:
 
 
 @pytest.mark.usefixtures("no_runtime_typecheck")
-@pytest.mark.parametrize("topk", [False, True])
-def test_compile_fullgraph(topk: bool) -> None:
+@pytest.mark.parametrize("topk", [False, True, "bucket", "renormalize"])
+def test_compile_fullgraph(topk: bool | str) -> None:
     p = problem(6, torch.float32)
-    opts = (
+    opts: dict[str, Any] = (
         {"teacher_ids": True, "log_prob_min_clamp": -3.0} if topk else {"kind": "jsd", "beta": 0.2}
     )
+    if isinstance(topk, str):
+        opts = {"teacher_ids": True, "topk_tail": topk, "is_weights": True}
     opts["chunk_size"] = 4
     torch._dynamo.reset()
     compiled = torch.compile(fused, fullgraph=True, backend="aot_eager")

@@ -12,8 +12,8 @@ w.r.t. the scaled logits :math:`x = z / T`, through :math:`G = a - p_s \sum_v a_
 - generalised JSD (mixture :math:`m = \log((1-\beta) p_s + \beta p_t)`):
   :math:`l = \beta\,KL(t\|m) + (1-\beta)\,KL(s\|m)`,
   :math:`G = (1-\beta)\,p_s (s - m - KL(s\|m))`;
-- forward KL over the teacher's top-k ids (verl's ``forward_kl_topk``): log-probs clamped
-  from below at ``log_prob_min_clamp``, the token's loss at 0, :math:`a` at the ids only.
+- forward KL over the teacher's top-k ids (verl's ``forward_kl_topk``, or TRL's tail
+  bucket or renormalisation): :mod:`dapo_ops.logprobs._distill_topk`.
 
 The chunk's ``grad_hidden`` and share of ``grad_weight`` are formed at once (3 matmuls in
 all); backward scales them. Eager, every step runs in place over the two chunk
@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from dapo_ops.engine.aggregation import loss_scale
+from dapo_ops.logprobs._distill_topk import Terms, topk_reference, topk_terms
 from dapo_ops.logprobs._fused_linear import (
     Chunks,
     chunks_for,
@@ -56,6 +57,7 @@ class DistillSpec:
     mode: str
     max_len: int | None
     chunk: int
+    tail: str = "none"  # top-k path: "none" (verl), "bucket" or "renormalize" (TRL)
 
 
 class DistillInputs(NamedTuple):
@@ -65,38 +67,7 @@ class DistillInputs(NamedTuple):
     ids: Tensor | None  # [batch, seq, k] int64 (0 at masked positions), or None
     valid: Tensor  # [batch, seq] bool
     normalizer: Tensor | None  # 0-dim, or None: the local count
-
-
-class Terms(NamedTuple):
-    loss: Tensor  # [n], the tokens' losses (after the clamps)
-    grad: Tensor | None  # [n, vocab]: d loss_i / d x, x = logits / T
-    student_mass: Tensor | None  # [n] top-k only: sum of the student's probs at the ids
-    teacher_mass: Tensor | None
-
-
-def _topk_terms(
-    spec: DistillSpec, s: Tensor, tl: Tensor, ids: Tensor, grad: bool, eager: bool
-) -> Terms:
-    """verl's ``forward_kl_topk`` on one chunk (``s`` the student's log-softmax, overwritten
-    by the gradient when ``eager``)."""
-    sk = s.gather(1, ids)
-    smass, tmass = sk.exp().sum(dim=1), tl.exp().sum(dim=1)
-    c = spec.logp_clamp
-    skc, tlc = (sk, tl) if c is None else (sk.clamp(min=c), tl.clamp(min=c))
-    pt = tlc.exp()
-    loss = torch.where(pt > 0, pt * (tlc - skc), 0.0).sum(dim=1)
-    keep = loss >= 0  # the clamp at 0: top-k masses do not sum to 1
-    loss = loss.clamp(min=0.0)
-    if not grad:
-        return Terms(loss, None, smass, tmass)
-    a = torch.where(keep.unsqueeze(1), -pt, 0.0)  # d loss / d s at the ids
-    if c is not None:
-        a = torch.where(sk >= c, a, 0.0)
-    if eager:
-        g = s.exp_().mul_(-a.sum(dim=1, keepdim=True)).scatter_add_(1, ids, a)
-    else:
-        g = (s.exp() * -a.sum(dim=1, keepdim=True)).scatter_add(1, ids, a)
-    return Terms(loss, g, smass, tmass)
+    is_weights: Tensor | None = None  # [batch, seq] constant weights on the tokens' losses
 
 
 def _full_terms(spec: DistillSpec, lp: Tensor, t: Tensor, grad: bool) -> Terms:
@@ -171,7 +142,7 @@ def chunk_terms(
     whole-vocabulary ``t`` are overwritten; without, left as they are."""
     eager = sc is not None
     if ids is not None:
-        terms = _topk_terms(spec, lp, t, ids, grad, eager)
+        terms = topk_terms(spec.logp_clamp, spec.tail, lp, t, ids, grad, eager)
     elif sc is not None:
         terms = _full_terms_(spec, lp, t, sc)
     else:
@@ -189,9 +160,12 @@ def chunk_terms(
 
 
 def _scale(spec: DistillSpec, t: DistillInputs, dtype: torch.dtype) -> Tensor:
-    """Each token's weight ``w`` in the loss ``sum w l`` (0 at masked positions)."""
+    """Each token's weight ``w`` in the loss ``sum w l`` (0 at masked positions): the
+    aggregation's, times ``is_weights``."""
     den = "local" if t.normalizer is None else t.normalizer
     scale = loss_scale(t.valid, mode=spec.mode, normalizer=den, max_len=spec.max_len, dtype=dtype)  # type: ignore[arg-type]  # fmt: skip
+    if t.is_weights is not None:
+        scale = scale * t.is_weights.to(dtype)
     return torch.where(t.valid, scale.expand(t.valid.shape), 0.0).reshape(-1)
 
 
@@ -275,10 +249,7 @@ def reference_loss(
     if ids is not None or spec.topk is not None:
         if ids is None:
             teacher, ids = torch.log_softmax(teacher / spec.temperature, dim=1).topk(spec.topk or 1)
-        sk, c, tl = s.gather(1, ids), spec.logp_clamp, teacher
-        skc, tlc = (sk, tl) if c is None else (sk.clamp(min=c), tl.clamp(min=c))
-        pt = tlc.exp()
-        loss = torch.where(pt > 0, pt * (tlc - skc), 0.0).sum(dim=1).clamp(min=0.0)
+        loss = topk_reference(spec.logp_clamp, spec.tail, s, teacher, ids)
     else:
         sf = s.clamp(min=LOGP_FLOOR)
         tf = torch.log_softmax(teacher / spec.temperature, dim=1).clamp(min=LOGP_FLOOR)

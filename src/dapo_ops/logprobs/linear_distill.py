@@ -28,10 +28,10 @@ from dapo_ops._core._validate import (
     check_option,
     check_same_device,
     check_tensor,
-    is_compiling,
     shape_str,
 )
 from dapo_ops.engine.aggregation import check_max_len, check_normalizer
+from dapo_ops.logprobs._distill_checks import _number, check_ids, check_is_weights, check_tail
 from dapo_ops.logprobs._distill_terms import DistillInputs, DistillSpec, LinearDistill, forward_pass
 from dapo_ops.logprobs._fused_linear import DEFAULT_FUSED_CHUNK_ELEMENTS
 from dapo_ops.logprobs._logprob_checks import auto_chunk, check_options, check_projection
@@ -40,6 +40,7 @@ __all__ = ["DistillDiagnostics", "linear_distill_loss", "linear_distill_loss_wit
 
 DistillKind = Literal["forward_kl", "reverse_kl", "jsd"]
 DISTILL_KINDS: tuple[str, ...] = ("forward_kl", "reverse_kl", "jsd")
+TopkTail = Literal["none", "bucket", "renormalize"]
 
 
 class DistillOptions(TypedDict, total=False):
@@ -57,6 +58,8 @@ class DistillOptions(TypedDict, total=False):
     normalizer: Normalizer
     max_len: int | None
     chunk_size: int | None
+    is_weights: Tensor | None
+    topk_tail: TopkTail
 
 
 class DistillDiagnostics(NamedTuple):
@@ -69,33 +72,6 @@ class DistillDiagnostics(NamedTuple):
     per_token: Float[Tensor, "batch seq"]
     student_mass: Float[Tensor, "batch seq"] | None
     teacher_mass: Float[Tensor, "batch seq"] | None
-
-
-def _number(name: str, value: object, ok: bool, expected: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok:
-        raise InputError(f"{name} must be {expected}; got {value!r}")
-
-
-def _check_ids(ids: object, shape: torch.Size, valid: Tensor, vocab: int) -> Tensor:
-    check_tensor("teacher_ids", ids)
-    assert isinstance(ids, Tensor)
-    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-        raise InputError(f"teacher_ids must be an integer tensor of token ids, got {ids.dtype}")
-    if ids.shape != shape:
-        raise InputError(
-            f"teacher_ids must have the shape of teacher (its top-k log-probs) "
-            f"{list(shape)}, got {shape_str(ids)}"
-        )
-    check_same_device("teacher_ids", ids, "mask", valid)
-    ids = torch.where(valid.unsqueeze(-1), ids, 0).to(torch.int64)
-    if not is_compiling() and ids.numel():
-        lo, hi = torch.stack(torch.aminmax(ids)).tolist()  # value check: one host sync
-        if lo < 0 or hi >= vocab:
-            raise InputError(
-                f"teacher_ids must hold ids in [0, vocab) = [0, {vocab}) at unmasked "
-                f"positions; got values in [{lo}, {hi}]"
-            )
-    return ids
 
 
 def _prepare(
@@ -135,14 +111,15 @@ def _prepare(
             f"teacher (the teacher's logits) must have vocab = weight's rows = {vocab} in its "
             f"last dim, got {shape_str(teacher)}; top-k log-probs go with teacher_ids"
         )
+    on_topk = ids is not None or topk is not None
+    clamp, loss_clamp = o.get("log_prob_min_clamp"), o.get("loss_clamp")
+    tail = check_tail(o.get("topk_tail", "none"), on_topk, kind, clamp)
     if ids is not None:
-        ids = _check_ids(ids, teacher.shape, valid, vocab)
+        ids = check_ids(ids, teacher, valid, vocab, tail != "none")
         if topk is not None and topk != teacher.shape[-1]:
             raise InputError(f"topk must be None or teacher's k = {teacher.shape[-1]} with teacher_ids, got {topk}")  # fmt: skip
-    on_topk = ids is not None or topk is not None
     if on_topk and kind != "forward_kl":
         raise InputError(f"the top-k loss is verl's forward KL over the teacher's top-k ids: kind='forward_kl' only, got {kind!r}")  # fmt: skip
-    clamp, loss_clamp = o.get("log_prob_min_clamp"), o.get("loss_clamp")
     if clamp is not None:
         _number("log_prob_min_clamp", clamp, isinstance(clamp, (int, float)) and math.isfinite(clamp) and on_topk,
                 "a finite number (or None) on the top-k path (teacher_ids or topk)")  # fmt: skip
@@ -160,9 +137,10 @@ def _prepare(
     spec = DistillSpec(
         kind, float(beta), float(temperature), topk,
         None if clamp is None else float(clamp), None if loss_clamp is None else float(loss_clamp),
-        mode, max_len, chunk,
+        mode, max_len, chunk, tail,
     )  # fmt: skip
-    return spec, h, w, b, DistillInputs(teacher.detach(), ids, valid, den)
+    isw = check_is_weights(o.get("is_weights"), valid, h)
+    return spec, h, w, b, DistillInputs(teacher.detach(), ids, valid, den, isw)
 
 
 def _run(
@@ -196,6 +174,8 @@ def linear_distill_loss(
     normalizer: Normalizer = None,
     max_len: int | None = None,
     chunk_size: int | None = None,
+    is_weights: Float[Tensor, "batch seq"] | None = None,
+    topk_tail: TopkTail = "none",
 ) -> Float[Tensor, ""]:
     r"""A distillation loss from the student's last hidden states: no logits tensor.
 
@@ -210,8 +190,11 @@ def linear_distill_loss(
       mixture :math:`M = \beta\pi_T + (1-\beta)\pi_\theta`, ``0 < beta < 1`` (TRL GKD's
       generalised JSD, Agarwal et al. 2024 eq. 1; default 0.5, TRL's);
 
-    then clipped to ``+-loss_clamp`` (verl's ``loss_max_clamp``; None: not clipped) and
-    aggregated as :func:`token_level_aggregate` (``mode``, ``normalizer``, ``max_len``).
+    then clipped to ``+-loss_clamp`` (verl's ``loss_max_clamp``; None: not clipped),
+    multiplied by ``is_weights`` :math:`w` (a constant per token, e.g. TRL SDFT/SDPO's
+    ``distillation_is_clip`` from :func:`truncated_is_weights`; None: 1) and aggregated as
+    :func:`token_level_aggregate` (``mode``, ``normalizer``, ``max_len``): the gradients
+    scale by :math:`w` too.
 
     The teacher: ``teacher`` its logits ``[batch, seq, vocab]`` (divided by ``T`` too, as
     TRL), or with ``teacher_ids`` its top-k log-probs ``[batch, seq, k]`` at those ids
@@ -221,7 +204,18 @@ def linear_distill_loss(
     :math:`s_j` the student's log-prob at id :math:`j` (normalised over the whole
     vocabulary), :math:`x' = \max(x, c)` for ``c = log_prob_min_clamp`` (None: no floor;
     verl's config default is -10.0) and the clamp at 0 that verl applies (top-k masses do
-    not sum to 1); ``kind="forward_kl"`` only.
+    not sum to 1); ``kind="forward_kl"`` only. ``topk_tail`` completes it as TRL 1.16's
+    sparse distillation losses do, with :math:`F` that sum (unclamped), :math:`P_t`,
+    :math:`P_s` the teacher's and the student's mass on the ids: ``"bucket"`` (TRL's
+    ``add_tail=True``) :math:`F + (1-P_t)\log\frac{1-P_t}{1-P_s}`, the KL over the ids
+    plus one bucket for the rest; ``"renormalize"`` (``add_tail=False``) :math:`F/P_t -
+    \log P_t + \log P_s`, the KL of both renormalised on the ids; neither is clamped at 0
+    (both are KLs), ``log_prob_min_clamp`` is refused with them. There a ``-inf`` teacher
+    log-prob marks a padding slot (not one of the ids), the real ids must be distinct
+    (checked in the same host sync), :math:`1-P_s` is the student's mass off the ids
+    (summed there: exact as :math:`P_s \to 1`; its log floored at -1e4, no gradient
+    below, where the student puts no mass off the ids) and :math:`0 \log 0 = 0` when
+    :math:`P_t \ge 1`. TRL instead floors :math:`1-P` at about 1e-7 for both models.
 
     Exact: it equals the naive composition (``h @ W.T``, ``log_softmax``, the formulas
     above) and so TRL's ``generalized_jsd_loss`` (``reduction="batchmean"`` with labels:
@@ -240,7 +234,7 @@ def linear_distill_loss(
     (one host sync, eager only); mask ``[batch, seq]``. Returns a 0-dim float32 loss
     (float64 for float64 hidden); bfloat16/float16 matmuls run in that dtype, the
     softmaxes and the loss in float32. Masked positions reach neither the loss nor any
-    gradient, whatever hidden, teacher and teacher_ids hold there. The teacher must not
+    gradient, whatever hidden, teacher, teacher_ids and is_weights hold there. The teacher must not
     require grad. ``chunk_size``: tokens per chunk (None: ``max(1, E // vocab)``, as
     :func:`linear_policy_loss`). Under ``torch.compile(fullgraph=True)`` the chunks are
     traced as functional ops; double backward differentiates the naive composition.
@@ -260,7 +254,7 @@ def linear_distill_loss(
         "teacher_ids": teacher_ids, "kind": kind, "beta": beta, "temperature": temperature,
         "topk": topk, "log_prob_min_clamp": log_prob_min_clamp, "loss_clamp": loss_clamp,
         "bias": bias, "mode": mode, "normalizer": normalizer, "max_len": max_len,
-        "chunk_size": chunk_size,
+        "chunk_size": chunk_size, "is_weights": is_weights, "topk_tail": topk_tail,
     }  # fmt: skip
     spec, h, w, b, t = _prepare(hidden, weight, teacher, mask, options)
     return _run(spec, h, w, b, t)[0]
