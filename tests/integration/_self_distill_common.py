@@ -2,7 +2,7 @@
 
 A float64 batch (student leaves, teacher logits, sampled tokens, a mask with a fully
 masked row) and the top-k forward KL of TRL 1.16's sparse distillation losses written as
-``linear_distill_loss(..., teacher_ids=ids)`` plus the term TRL adds (``_topk_ours``).
+``linear_distill_loss(..., teacher_ids=ids, topk_tail=...)`` (``topk_ours``).
 """
 
 from __future__ import annotations
@@ -58,41 +58,14 @@ def teacher_topk(
 
 def topk_ours(x: SimpleNamespace, ids: torch.Tensor, t_k: torch.Tensor, valid: torch.Tensor,
               sel: torch.Tensor, temperature: float, add_tail: bool, *, weight: Any = None,
-              bias: Any = None, **agg: Any) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``linear_distill_loss`` on the ids (aggregated by ``agg``) and TRL's extra term per
-    token ``[batch, seq]``, under autograd.
+              bias: Any = None, **agg: Any) -> torch.Tensor:  # fmt: skip
+    """``linear_distill_loss(..., teacher_ids=ids, topk_tail=...)`` aggregated by ``agg``:
+    TRL's tail bucket (``add_tail``) or renormalised top-k forward KL.
 
-    ``t_k`` the teacher's log-probs at ``ids`` (slots not ``valid``: padding, ``-inf`` for
-    ours), ``P_s``, ``P_t`` the top-k masses. With the tail bucket TRL's loss is our ``F``
-    plus ``(1 - P_t) log((1 - P_t) / (1 - P_s))``; renormalised it is ``F`` on the
-    renormalised teacher log-probs ``t - log P_t`` plus ``log P_s``."""
+    ``t_k`` the teacher's log-probs at ``ids``; slots not ``valid`` (padding, id -1) are
+    passed as ``-inf`` log-probs, which dapo_ops's tail paths leave out of the ids."""
     weight = x.weight if weight is None else weight
     t_in = torch.where(valid, t_k, -torch.inf)
-    if not add_tail:
-        t_in = t_in - torch.logsumexp(t_in, -1, keepdim=True)
     kw = {"teacher_ids": ids.clamp_min(0), "bias": bias, "temperature": temperature}
-    ours = d.linear_distill_loss(x.hidden, weight, t_in, sel, chunk_size=4, **kw, **agg)
-    logits = x.hidden @ weight.T + (0 if bias is None else bias)
-    s_k = torch.log_softmax(logits / temperature, -1).gather(-1, ids.clamp_min(0))
-    log_ps = torch.logsumexp(torch.where(valid, s_k, -torch.inf), -1)
-    pt = torch.where(valid, t_k, -torch.inf).exp().sum(-1)
-    term = (1 - pt) * (torch.log1p(-pt) - torch.log1p(-log_ps.exp())) if add_tail else log_ps
-    return ours, term
-
-
-def unclamped(x: SimpleNamespace, ids: torch.Tensor, t_k: torch.Tensor, valid: torch.Tensor,
-              temperature: float, add_tail: bool, weight: Any = None,
-              bias: Any = None) -> torch.Tensor:  # fmt: skip
-    """The valid positions where ours is not clamped: verl's top-k ``F`` is clamped at 0
-    (it can be negative), TRL's tail form is not. Renormalised, ``F >= -log P_s >= 0``."""
-    if not add_tail:
-        return x.mask
-    w = (x.weight if weight is None else weight).detach()
-    _, diag = d.linear_distill_loss_with_diagnostics(
-        x.hidden.detach(), w, torch.where(valid, t_k, -torch.inf), x.mask,
-        teacher_ids=ids.clamp_min(0), temperature=temperature,
-        bias=None if bias is None else bias.detach(),
-    )  # fmt: skip
-    pos = x.mask & (diag.per_token > 0)
-    assert int(pos.sum()) >= 3
-    return pos
+    tail = "bucket" if add_tail else "renormalize"
+    return d.linear_distill_loss(x.hidden, weight, t_in, sel, chunk_size=4, topk_tail=tail, **kw, **agg)  # fmt: skip

@@ -4,8 +4,8 @@
   ``_jsd_loss_chunk``), ``beta=0`` (the teacher's top-k candidates as given, some padded
   with id -1), tail bucket or renormalised, two temperatures, ``lm_head`` bias and
   ``logit_scale`` (folded into the weight and bias): ``linear_distill_loss(...,
-  teacher_ids=ids)`` plus TRL's term, value, gradient, the summed divergence and the
-  student-entropy metric. The kernel casts the logits to float32 whatever the input dtype
+  teacher_ids=ids, topk_tail=...)`` at every position: value, gradient, the summed
+  divergence and the student-entropy metric. The kernel casts the logits to float32 whatever the input dtype
   (its sums are float64 here): compared to float32 rounding.
 - ``ServerDistillationTrainer._compute_server_forward_kl_loss`` (``beta=0``, padded
   candidates as ``-inf``, ``batchmean`` over the labelled tokens): the same, float64.
@@ -32,7 +32,6 @@ from _self_distill_common import (  # noqa: E402
     same,
     teacher_topk,
     topk_ours,
-    unclamped,
 )
 
 import dapo_ops as d  # noqa: E402
@@ -52,7 +51,7 @@ def test_async_chunked_jsd_loss(
     noise = torch.randn(logits.shape, generator=x.g, dtype=torch.float64)
     x.teacher = 1.5 * logits.detach() + 2 * noise
     ids, t_k, valid = teacher_topk(x, k, temperature, pad=True)
-    sel = unclamped(x, ids, t_k, valid, temperature, add_tail, scale * x.weight, b_ours)
+    sel = x.mask
     # the valid positions packed, one teacher, chunks of 4
     want, jsd_sum, entropy_sum, _, _ = ad._chunked_jsd_loss(
         x.hidden[sel],
@@ -70,9 +69,8 @@ def test_async_chunked_jsd_loss(
         1,
         4,
     )  # fmt: skip
-    ours, term = topk_ours(x, ids, t_k, valid, sel, temperature, add_tail,
-                           weight=scale * x.weight, bias=b_ours, normalizer=1.0)  # fmt: skip
-    got = ours + term[sel].sum()
+    got = topk_ours(x, ids, t_k, valid, sel, temperature, add_tail,
+                    weight=scale * x.weight, bias=b_ours, normalizer=1.0)  # fmt: skip
     same(got, want, (x.hidden, x.weight, *((bias,) if with_bias else ())), F32)
     torch.testing.assert_close(jsd_sum.double(), got.detach(), **F32)
     entropy = d.token_entropy(logits.detach(), temperature=temperature)
@@ -83,12 +81,12 @@ def test_async_chunked_jsd_loss(
 def test_server_forward_kl_loss(k: int, temperature: float, add_tail: bool) -> None:
     x = batch(60 + k + add_tail)
     ids, t_k, valid = teacher_topk(x, k, temperature, pad=True)
-    sel = unclamped(x, ids, t_k, valid, temperature, add_tail)
+    sel = x.mask
     cls = sd.ServerDistillationTrainer
     owner = SimpleNamespace(loss_add_tail=add_tail)
     owner._reduce_divergence_loss = cls._reduce_divergence_loss  # a staticmethod
     server = {"topk_logprobs": torch.where(valid, t_k, -torch.inf), "topk_token_ids": ids}
     s_all = torch.log_softmax(x.hidden @ x.weight.T / temperature, -1)
     want = cls._compute_server_forward_kl_loss(owner, server, s_all, torch.where(sel, 1, -100))
-    ours, term = topk_ours(x, ids, t_k, valid, sel, temperature, add_tail)  # token mean
-    same(ours + d.token_level_aggregate(term, sel), want, (x.hidden, x.weight))
+    ours = topk_ours(x, ids, t_k, valid, sel, temperature, add_tail)  # token mean
+    same(ours, want, (x.hidden, x.weight))

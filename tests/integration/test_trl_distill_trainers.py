@@ -10,8 +10,8 @@
   vocabulary): ``linear_distill_loss``, every ``beta``, temperature and reduction, GOLD's
   ``logits_are_probs``, fully masked batches: value and gradient, float64.
 - ``IWOPDTrainer.generalized_jsd_loss`` with ``top_k`` (``beta=0``: the teacher's top-k):
-  ``linear_distill_loss(..., topk=k)`` plus the term TRL adds (the tail bucket, or the
-  renormalisation), pinned by formula: value, float64.
+  ``linear_distill_loss(..., topk=k, topk_tail="bucket" | "renormalize")``, three
+  reductions: value and gradient everywhere, float64.
 - ``IWOPDTrainer._compute_iw_opd_loss``: ``policy_loss(PolicyGradient(), ...)`` with
   ``distill_advantages`` (``k1``, unclamped) and TRL's prefix weights as ``is_weights``
   (the weights themselves are computed here: dapo_ops has no function for them), every
@@ -129,9 +129,11 @@ def test_distillation_trainer_fully_masked_batch(beta: float, items: int | None)
 # ------------------------------------ GOLD's and IW-OPD's generalized_jsd_loss (full vocab)
 
 
-def _ours_full(x: SimpleNamespace, beta: float, temperature: float, reduction: str) -> Any:
+def _ours_full(
+    x: SimpleNamespace, beta: float, temperature: float, reduction: str, **extra: Any
+) -> Any:
     normalizer = {"sum": 1.0, "none": 1.0, "mean": float(x.mask.sum() * x.v), "num_items": 17.0}
-    kw: dict[str, Any] = {"temperature": temperature, "chunk_size": 5, **_kind(beta)}
+    kw: dict[str, Any] = {"temperature": temperature, "chunk_size": 5, **_kind(beta), **extra}
     if reduction in normalizer:
         kw["normalizer"] = normalizer[reduction]
     return d.linear_distill_loss_with_diagnostics(x.hidden, x.weight, x.teacher, x.mask, **kw)
@@ -199,37 +201,24 @@ def test_generalized_jsd_loss_fully_masked(trainer: str, beta: float, reduction:
     _same_loss_and_grads(got, want, x)
 
 
-# ------------------------------------- IW-OPD's top-k loss: our top-k KL plus TRL's extra term
+# ---------------------------------------------- IW-OPD's top-k loss: our top-k KL with a tail
 
 
 @pytest.mark.parametrize(("k", "temperature"), list(itertools.product([1, 3, 8], [1.0, 0.7])))
 @pytest.mark.parametrize("add_tail", [True, False])
-def test_iw_opd_topk_forward_kl_is_ours_plus_a_term(
-    k: int, temperature: float, add_tail: bool
-) -> None:
-    """beta=0, the teacher's top-k ids: TRL's per-token loss is our top-k forward KL (verl's)
-    ``F = sum_{top-k} p_t (log p_t - log p_s)`` plus, with the tail bucket,
-    ``(1 - P_t) log((1 - P_t) / (1 - P_s))``; renormalised instead, ``F / P_t - log P_t +
-    log P_s`` (``P`` the top-k masses). Ours clamps ``F`` at 0 (verl): compared where F > 0."""
-    x = _batch(20 + k)
+@pytest.mark.parametrize("reduction", ["batchmean", "sum", "num_items"])
+def test_iw_opd_topk_forward_kl(k: int, temperature: float, add_tail: bool, reduction: str) -> None:
+    """beta=0, the teacher's top-k ids: TRL's loss is ``linear_distill_loss(..., topk=k,
+    topk_tail="bucket")`` (``add_tail=True``) or ``"renormalize"``: value and gradient at
+    every position, float64."""
+    x = _batch(20 + k + 3 * add_tail + len(reduction))
     want = iw.IWOPDTrainer.generalized_jsd_loss(
         x.hidden @ x.weight.T, x.teacher, beta=0.0, temperature=temperature, top_k=k,
-        add_tail=add_tail, **_trl_kw(x, "none"),
-    ).sum(-1)  # fmt: skip
-    _, diag = d.linear_distill_loss_with_diagnostics(
-        x.hidden, x.weight, x.teacher, x.mask, topk=k, temperature=temperature
-    )
-    assert diag.student_mass is not None and diag.teacher_mass is not None
-    f, ps, pt = (t[x.mask] for t in (diag.per_token, diag.student_mass, diag.teacher_mass))
-    if add_tail:
-        term = (1 - pt) * torch.log((1 - pt) / (1 - ps))
-        trl_topk = want - term
-    else:
-        trl_topk = (want + pt.log() - ps.log()) * pt
-    pos = f > 0
-    assert int(pos.sum()) >= 4
-    torch.testing.assert_close(f[pos], trl_topk.detach()[pos], rtol=1e-10, atol=1e-12)
-    assert bool((trl_topk[~pos] <= 1e-12).all())  # where ours is 0, TRL's top-k part is <= 0
+        add_tail=add_tail, **_trl_kw(x, reduction),
+    )  # fmt: skip
+    tail = "bucket" if add_tail else "renormalize"
+    got, _ = _ours_full(x, 0.0, temperature, reduction, topk=k, topk_tail=tail)
+    _same_loss_and_grads(got, want, x)
 
 
 # --------------------------------------------------------- IW-OPD's sampled-token objective

@@ -13,16 +13,16 @@ code in both modules, both compared):
   - ``sampled_token`` (``compute_sampled_token_self_distillation_loss``, ``alpha=1``):
     ``policy_loss(PolicyGradient())`` with ``distill_advantages`` (``k1``);
   - ``distillation_is_clip`` (``apply_importance_sampling_clipping``):
-    ``truncated_is_weights`` as ``is_weights``; on ``full_logits`` dapo_ops has no
-    per-token weight for the logit loss: the value is pinned (ours times the weights).
+    ``truncated_is_weights`` as ``is_weights`` (of ``policy_loss`` or of
+    ``linear_distill_loss``).
 - ``SDPOTrainer.compute_loss``: ``(1 - w) * policy + w * distillation``,
   ``_compute_policy_loss`` as ``trl_policy_loss`` for every ``loss_type``, token and
   sequence level, ``distillation_weight`` 0, 0.3 and 1: value and gradient, float64.
 - The top-k loss with ``alpha=0`` (tail bucket or renormalised), on the student's top-k
   (``compute_topk_self_distillation_loss``) and on the teacher's
   (``SDFTTrainer._compute_server_distillation_loss``, ``num_loss_tokens_to_skip``):
-  ``linear_distill_loss(..., teacher_ids=ids)`` plus TRL's term (``_self_distill_common``),
-  value and gradient, float64. With ``alpha > 0`` dapo_ops has no top-k loss.
+  ``linear_distill_loss(..., teacher_ids=ids, topk_tail="bucket" | "renormalize")``,
+  value and gradient everywhere, float64. With ``alpha > 0`` dapo_ops has no top-k loss.
 """
 
 from __future__ import annotations
@@ -40,13 +40,11 @@ LOSS_UTILS = {m: pytest.importorskip(f"trl.experimental.{m}.loss_utils") for m i
 TRAINERS = {m: pytest.importorskip(f"trl.experimental.{m}.{m}_trainer") for m in ("sdft", "sdpo")}
 
 from _self_distill_common import (  # noqa: E402
-    TOL,
     TOPK,
     batch,
     same,
     teacher_topk,
     topk_ours,
-    unclamped,
 )
 
 import dapo_ops as d  # noqa: E402
@@ -119,15 +117,11 @@ def test_self_distillation_loss(
     else:
         got, diag = d.linear_distill_loss_with_diagnostics(
             x.hidden, x.weight, x.teacher, x.mask, temperature=temperature, chunk_size=5,
-            **_kind(alpha), **agg,
+            is_weights=w, **_kind(alpha), **agg,
         )  # fmt: skip
-        per_token = diag.per_token if w is None else diag.per_token * w
+        per_token = diag.per_token if w is None else diag.per_token * w  # l, unweighted
         metric = d.token_level_aggregate(per_token, x.mask)
-        if w is None:
-            same(got, want, (x.hidden, x.weight))
-        else:  # no per-token weight on the logit loss in dapo_ops: the value, pinned
-            pinned = d.token_level_aggregate(per_token, x.mask, **agg)
-            torch.testing.assert_close(pinned, want.detach(), **TOL)
+        same(got, want, (x.hidden, x.weight))
     assert logged == pytest.approx([float(metric.detach())], rel=1e-12, abs=1e-13)
 
 
@@ -202,13 +196,12 @@ def test_topk_on_the_students_support(
     ids = torch.topk(logits.detach(), k, dim=-1).indices  # the student's top-k
     t_k = torch.log_softmax(x.teacher / temperature, -1).gather(-1, ids)
     valid = torch.ones_like(ids, dtype=torch.bool)
-    sel = unclamped(x, ids, t_k, valid, temperature, add_tail)
     per_token = LOSS_UTILS[trainer].compute_topk_self_distillation_loss(
         logits / temperature, x.teacher / temperature, distillation_topk=k,
         distillation_alpha=0.0, distillation_add_tail=add_tail,
     )  # fmt: skip
-    ours, term = topk_ours(x, ids, t_k, valid, sel, temperature, add_tail, normalizer=1.0)
-    same(ours + term[sel].sum(), per_token[sel].sum(), (x.hidden, x.weight))
+    ours = topk_ours(x, ids, t_k, valid, x.mask, temperature, add_tail, normalizer=1.0)
+    same(ours, per_token[x.mask].sum(), (x.hidden, x.weight))
 
 
 @pytest.mark.parametrize(("k", "temperature", "add_tail"), TOPK)
@@ -216,7 +209,6 @@ def test_sdft_server_topk(k: int, temperature: float, add_tail: bool) -> None:
     """SDFT with a teacher server: the teacher's top-k, first ``skip`` tokens left out."""
     x, skip = batch(40 + k + add_tail), 1
     ids, t_k, valid = teacher_topk(x, k, temperature, pad=False)
-    sel = unclamped(x, ids, t_k, valid, temperature, add_tail)
     owner = _owner([], distillation_mode="topk_logits", distillation_alpha=0.0,
                    distillation_add_tail=add_tail, distillation_is_clip=None)  # fmt: skip
     actual = torch.zeros(x.mask.shape, dtype=torch.float64)  # read by sampled_token only
@@ -226,12 +218,12 @@ def test_sdft_server_topk(k: int, temperature: float, add_tail: bool) -> None:
         _forward_logits=lambda **kw: x.hidden @ x.weight.T / temperature,
         _get_teacher_token_logprobs_from_server=lambda inputs, n: server,
     )  # fmt: skip
-    completion = sel.clone()
+    completion = x.mask.clone()
     completion[:, :skip] = True  # dropped by num_loss_tokens_to_skip
     inputs = {"prompt_ids": x.tokens[:, :2], "prompt_mask": torch.ones_like(x.tokens[:, :2]),
               "completion_ids": x.tokens, "completion_mask": completion.long()}  # fmt: skip
     want = _cls("sdft")._compute_server_distillation_loss(owner, TRAINING, inputs)
-    sel = sel & (torch.arange(sel.shape[1]) >= skip)
+    sel = x.mask & (torch.arange(x.mask.shape[1]) >= skip)
     agg: dict[str, Any] = {"mode": "seq_mean_token_mean", "normalizer": float(x.b)}
-    ours, term = topk_ours(x, ids, t_k, valid, sel, temperature, add_tail, **agg)
-    same(ours + d.token_level_aggregate(term, sel, **agg), want, (x.hidden, x.weight))
+    ours = topk_ours(x, ids, t_k, valid, sel, temperature, add_tail, **agg)
+    same(ours, want, (x.hidden, x.weight))
