@@ -160,9 +160,9 @@ ROWS: list[Row] = [
         "kernel computes in float32 whatever the input); the teacher's logits are passed "
         "whole; final_logit_softcapping (c tanh(z / c), Gemma) has no dapo_ops option"),
     Row(_DIST, "top-k forward KL with a tail bucket or renormalised (IW-OPD top_k, beta=0)",
-        "", ("IWOPDTrainer.generalized_jsd_loss",), note="linear_distill_loss(..., topk=k) is "
-        "verl's top-k KL F; TRL adds (1 - P_t) log((1 - P_t) / (1 - P_s)) (tail) or takes "
-        f"F / P_t - log P_t + log P_s (renormalised), P the top-k masses: pinned in {_TD}"),
+        'linear_distill_loss(..., topk=k, topk_tail="bucket" or "renormalize")',
+        ("IWOPDTrainer.generalized_jsd_loss",), note=f"compared in {_TD}: add_tail True and "
+        "False, three reductions, float64 value and gradient at every token"),
     Row(_DIST, "top-k support chosen by the student or both, sparse top-1 (IW-OPD beta > 0)",
         "", ("IWOPDTrainer.generalized_jsd_loss", "_compute_sparse_top_1_divergence_loss"),
         note="a divergence over the student's top-k or the union with the teacher's (or "
@@ -184,19 +184,19 @@ ROWS: list[Row] = [
         note=f"in {_TS}: A = log pi_T - log pi; distillation_is_clip C is truncated_is_weights"
         "(logp, old_logp, mask, cap=C); float64 value, gradient, metric"),
     Row(_DIST, "clipped ratio weighting a logit divergence (SDFT, SDPO distillation_is_clip)",
-        "", ("apply_importance_sampling_clipping",), note="l_t min(exp(clip(log pi(y_t) - "
-        "log pi_old(y_t), -20, 20)), C), l_t the vocabulary or top-k divergence: "
-        f"linear_distill_loss has no per-token weight (value pinned in {_TS})"),
+        "truncated_is_weights; linear_distill_loss(..., is_weights=w)",
+        ("apply_importance_sampling_clipping",), note="l_t min(exp(clip(log pi(y_t) - log "
+        f"pi_old(y_t), -20, 20)), C): compared in {_TS}, float64 value and gradient"),
     Row(_DIST, "SDPO: policy loss and self-distillation blended", "trl_policy_loss; "
         "linear_distill_loss", ("SDPOTrainer.compute_loss", "SDPOTrainer._compute_policy_loss"),
         note=f"(1 - w) policy + w distillation in {_TS}: every loss_type (SDPO's dapo is "
         "trl_policy_loss's bnpo), token and sequence level; float64 value and gradient"),
     Row(_DIST, "top-k forward KL, tail or renormalised (SDFT/SDPO topk_logits alpha=0, "
-        "server and async distillation beta=0)", "", ("compute_topk_self_distillation_loss",
+        "server and async distillation beta=0)", 'linear_distill_loss(..., teacher_ids=ids, '
+        'topk_tail="bucket" or "renormalize")', ("compute_topk_self_distillation_loss",
         "SDFTTrainer._compute_server_distillation_loss", "_compute_server_forward_kl_loss",
-        "_chunked_jsd_loss"), note="linear_distill_loss(..., teacher_ids=ids) is F (ids the "
-        "student's or the teacher's top-k); TRL adds (1 - P_t) log((1 - P_t) / (1 - P_s)), or "
-        f"renormalised is F(t - log P_t) + log P_s: pinned in {_TS}, {_TA} (async: float32)"),
+        "_chunked_jsd_loss"), note="ids the student's or the teacher's top-k "
+        f"(padding: a -inf log-prob); compared in {_TS}, {_TA} (async: float32)"),
     Row(_DIST, "reverse KL or JSD over a top-k support (SDFT/SDPO alpha > 0, async beta > 0)",
         "", ("compute_topk_self_distillation_loss", "_narrow_top1_actual_support"),
         note="alpha KL(q_t, m) + (1 - alpha) KL(q_s, m), m = alpha q_t + (1 - alpha) q_s, q "
