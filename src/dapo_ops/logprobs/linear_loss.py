@@ -254,8 +254,9 @@ def linear_policy_loss(
         softcap: the model's final-logit cap ``c > 0`` (Gemma-2's
             ``final_logit_softcapping``, e.g. 30.0; Liger's ``softcap``): the logits are
             :math:`\mathrm{cap}(z) = c\tanh(z/c)` before the temperature, as vLLM samples
-            them; gradients through :math:`1 - \tanh^2(z/c)`. None (default): no cap, bit
-            for bit as without; set, one more ``[chunk, vocab]`` buffer.
+            them; gradients through :math:`1 - \tanh^2(z/c)`, on either backend. None
+            (default): no cap, bit for bit as without; set, one more ``[chunk, vocab]``
+            buffer on the chunked path.
 
     Double backward (``create_graph=True``) differentiates the definition (the whole
     logits, the naive path's memory). Under ``torch.compile(fullgraph=True)`` the chunks
