@@ -48,6 +48,8 @@ _DIST = "distillation term"
 _VS_VERL = ("compared with verl's compute_distillation_loss_reverse_kl_estimator and "
             "distillation_ppo_loss (float64, value and gradient)")  # fmt: skip
 _TD = "tests/integration/test_trl_distill_trainers.py"
+_TS = "tests/integration/test_trl_self_distill.py"
+_TA = "tests/integration/test_trl_async_distill.py"
 _RC, _SEL, _REG, _OPT, _FILTER = (
     "rollout correction", "token selection", "regulariser", "option", "batch filter")  # fmt: skip
 _CLIPPED = tuple(f"loss_type={t}" for t in ("dapo", "bnpo", "grpo", "dr_grpo", "luspo"))
@@ -171,6 +173,36 @@ ROWS: list[Row] = [
         "iw_opd_weights; policy_loss(..., is_weights=w)", ("IWOPDTrainer._compute_iw_opd_loss",),
         note=f"compared in {_TD} (float64, value, gradient, metrics); iw_opd_weights are TRL's "
         "w_t = 1 + gamma (1 - S_t / max(S, eps)), S_t the sum of abs(A_u) over u < t"),
+    Row(_DIST, "self-distillation, full vocabulary (SDFT, SDPO full_logits)",
+        'linear_distill_loss(..., kind="jsd", mode="seq_mean_token_mean")',
+        ("compute_full_logit_self_distillation_loss", "compute_divergence"), note=f"in {_TS} "
+        "via _compute_self_distillation_loss: alpha is beta, every alpha and temperature, "
+        "normalizer = rows, fully masked rows; float64 value, gradient, metric"),
+    Row(_DIST, "self-distillation, sampled token (SDFT, SDPO sampled_token)",
+        'distill_advantages; TeacherKL(estimator="k1", clamp=None, log_ratio_clamp=None); '
+        "PolicyGradient; truncated_is_weights; policy_loss(..., is_weights=w)",
+        ("compute_sampled_token_self_distillation_loss", "apply_importance_sampling_clipping"),
+        note=f"in {_TS}: A = log pi_T - log pi; distillation_is_clip C is truncated_is_weights"
+        "(logp, old_logp, mask, cap=C); float64 value, gradient, metric"),
+    Row(_DIST, "clipped ratio weighting a logit divergence (SDFT, SDPO distillation_is_clip)",
+        "", ("apply_importance_sampling_clipping",), note="l_t min(exp(clip(log pi(y_t) - "
+        "log pi_old(y_t), -20, 20)), C), l_t the vocabulary or top-k divergence: "
+        f"linear_distill_loss has no per-token weight (value pinned in {_TS})"),
+    Row(_DIST, "SDPO: policy loss and self-distillation blended", "trl_policy_loss; "
+        "linear_distill_loss", ("SDPOTrainer.compute_loss", "SDPOTrainer._compute_policy_loss"),
+        note=f"(1 - w) policy + w distillation in {_TS}: every loss_type (SDPO's dapo is "
+        "trl_policy_loss's bnpo), token and sequence level; float64 value and gradient"),
+    Row(_DIST, "top-k forward KL, tail or renormalised (SDFT/SDPO topk_logits alpha=0, "
+        "server and async distillation beta=0)", "", ("compute_topk_self_distillation_loss",
+        "SDFTTrainer._compute_server_distillation_loss", "_compute_server_forward_kl_loss",
+        "_chunked_jsd_loss"), note="linear_distill_loss(..., teacher_ids=ids) is F (ids the "
+        "student's or the teacher's top-k); TRL adds (1 - P_t) log((1 - P_t) / (1 - P_s)), or "
+        f"renormalised is F(t - log P_t) + log P_s: pinned in {_TS}, {_TA} (async: float32)"),
+    Row(_DIST, "reverse KL or JSD over a top-k support (SDFT/SDPO alpha > 0, async beta > 0)",
+        "", ("compute_topk_self_distillation_loss", "_narrow_top1_actual_support"),
+        note="alpha KL(q_t, m) + (1 - alpha) KL(q_s, m), m = alpha q_t + (1 - alpha) q_s, q "
+        "the top-k probabilities renormalised or with a tail bucket, on the student's top-k or "
+        "{teacher's argmax, sampled token}: no dapo_ops loss has it"),
     Row(_DIST, "ULD: L1 between sorted probabilities across tokenizers (GOLD use_uld_loss)", "",
         ("ULDLoss",), note="cross-tokenizer alignment and a sorted-probability L1: no dapo_ops "
         "loss has it"),
