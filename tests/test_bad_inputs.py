@@ -166,6 +166,7 @@ BAD_POS = (0.0, -1.0, NAN, INF, "1")  # a finite number > 0
 BAD_NONNEG = (-1e-3, NAN, INF, "0")  # a finite number >= 0
 BAD_INT1 = (0, -1, 2.5, NAN, True, "3")  # an int >= 1
 BAD_BOOL = (1, "yes", None)
+BAD_SOFTCAP = (0.0, -1.0, NAN, INF, True, "30")  # the final-logit cap: None or finite > 0
 BAD_MODE = ("mean", "", None)
 BAD_NORM = (0.0, -1.0, NAN, INF)  # normalizer: a count > 0
 # the sampler's truncation: top_k an int >= 1 (None, 0, -1: off), top_p in (0, 1], min_p in [0, 1]
@@ -191,6 +192,7 @@ LINEAR_OPTS = {
     "entropy_coef": (NAN, INF, "0.1", None),
     "objective": (None, "clip"),
     "backend": ("cuda", "", None),
+    "softcap": BAD_SOFTCAP,
     **TRUNC_OPTS,
 }
 
@@ -211,6 +213,7 @@ DISTILL_OPTS = {
     "topk": (0, -1, 2.5, True, "3"),
     "log_prob_min_clamp": (NAN, INF, "1"),
     "loss_clamp": (0.0, -1.0, NAN, INF, "1"),
+    "softcap": BAD_SOFTCAP,
     "topk_tail": ("tail", "", None, True),
 }
 
@@ -244,7 +247,7 @@ REGISTRY: list[Spec] = [
     spec("value_loss", {"clip": BAD_POS, "mode": BAD_MODE, "normalizer": BAD_NORM, "max_len": BAD_INT1}, values=TOKEN, old_values=dataclasses.replace(TOKEN, const=True), returns=dataclasses.replace(TOKEN, const=True), mask=MASK),
     spec("truncated_is_weights", {"level": ("seq", None), "cap": BAD_POS, "lower": (-0.1, NAN, INF), "batch_normalize": BAD_BOOL}, old_logp=OLD, rollout_logp=OLD, mask=MASK),
     # ------------------------------------------------------------ log-probs
-    spec("fused_logprobs_entropy", {"temperature": BAD_POS, "chunk_size": BAD_INT1, **TRUNC_OPTS, "backend": ("cuda", "", None)}, hidden=HIDDEN, weight=WEIGHT, tokens=TOKENS, bias=Arg("float", ("V",), neginf=ANY)),
+    spec("fused_logprobs_entropy", {"temperature": BAD_POS, "chunk_size": BAD_INT1, **TRUNC_OPTS, "backend": ("cuda", "", None), "softcap": BAD_SOFTCAP}, hidden=HIDDEN, weight=WEIGHT, tokens=TOKENS, bias=Arg("float", ("V",), neginf=ANY)),
     spec("token_entropy", {"temperature": BAD_POS, "chunk_size": BAD_INT1, **TRUNC_OPTS}, logits=LOGITS),
     spec("token_logprobs", {"temperature": BAD_POS, "chunk_size": BAD_INT1, "inplace_backward": BAD_BOOL, **TRUNC_OPTS}, logits=LOGITS, tokens=TOKENS),
     spec("token_logprobs_and_entropy", {"temperature": BAD_POS, "chunk_size": BAD_INT1, "inplace_backward": BAD_BOOL, **TRUNC_OPTS}, logits=LOGITS, tokens=TOKENS),

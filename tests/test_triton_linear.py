@@ -169,6 +169,26 @@ def test_fused_logprobs_entropy() -> None:
     assert_within(gw, gw_want, testing.F64_RTOL * (gw_want.abs() + gw_want.abs().max()), "dW")
 
 
+def test_softcap() -> None:
+    """The final-logit cap in the kernels (``tanh`` from ``exp``, its derivative in the
+    gradient tiles): float64 loss and gradients against the naive path with the cap (a
+    cap of 2: logits of a few units), and the fused log-probs' gradcheck with it."""
+    from test_softcap import naive_policy
+
+    p = problem(4, 6, 5, 45, seed=1)
+    p["hidden"] = p["hidden"] * 3
+    opts: dict[str, Any] = {"softcap": 2.0, "temperature": 0.8, "entropy_coef": 0.03}
+    got = grads(linear(d.ClipHigher(), p, opts | TRITON), p)
+    assert_f64(got, grads(naive_policy(d.ClipHigher(), p, opts), p), "triton softcap")
+    h, w, b, tokens = projection_leaves(torch.Generator().manual_seed(5), (2, 5), 5, 20)
+
+    def fn(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = d.fused_logprobs_entropy(h, w, tokens, bias=b, softcap=1.5, **TRITON)
+        return tuple(out)
+
+    assert torch.autograd.gradcheck(fn, ((3 * h.detach()).requires_grad_(), w, b), fast_mode=True)
+
+
 def test_backend_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
     """A bad backend, chunk_size with the kernels, and CPU tensors without the
     interpreter are refused, naming the argument."""

@@ -3,8 +3,9 @@
 - ``trl.trainer.distillation_trainer._chunked_divergence_loss`` (``DistillationTrainer``,
   also ``trl.experimental.distillation``): ``linear_distill_loss`` on the student's hidden
   states and the teacher's logits, every ``beta``, two temperatures, ``num_items_in_batch``,
-  ``lm_head`` bias and ``logit_scale`` (folded into the weight and bias), fully masked rows
-  and batches: value, gradient and the entropy metric, to float32 rounding (TRL's kernel
+  ``lm_head`` bias and ``logit_scale`` (folded into the weight and bias),
+  ``final_logit_softcapping`` (None, 30 and 2: ``softcap=`` for the student, the teacher's
+  logits capped here as TRL caps them), fully masked rows and batches: value, gradient and the entropy metric, to float32 rounding (TRL's kernel
   projects and reduces in float32 whatever the input dtype: a documented difference).
 - ``GOLDTrainer.generalized_jsd_loss`` and ``IWOPDTrainer.generalized_jsd_loss`` (full
   vocabulary): ``linear_distill_loss``, every ``beta``, temperature and reduction, GOLD's
@@ -73,11 +74,22 @@ def _same_loss_and_grads(got: torch.Tensor, want: torch.Tensor, x: SimpleNamespa
 # --------------------------------------------- DistillationTrainer (hidden states, float32)
 
 
+def _cap(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """The model's final-logit soft-capping (after the logit scale), as TRL applies it."""
+    return logits if softcap is None else softcap * torch.tanh(logits / softcap)
+
+
 @pytest.mark.parametrize(("beta", "temperature"), list(itertools.product(BETAS, [1.0, 0.7])))
 @pytest.mark.parametrize("items", [None, 13])
 @pytest.mark.parametrize(("with_bias", "scale"), [(False, 1.0), (True, 0.5)])
+@pytest.mark.parametrize("softcap", [None, 30.0, 2.0])
 def test_distillation_trainer_chunked_divergence(
-    beta: float, temperature: float, items: int | None, with_bias: bool, scale: float
+    beta: float,
+    temperature: float,
+    items: int | None,
+    with_bias: bool,
+    scale: float,
+    softcap: float | None,
 ) -> None:
     x = _batch(int(beta * 8) + (items or 0))
     th = torch.randn(3, 6, 5, generator=x.g, dtype=torch.float64)  # another hidden width
@@ -88,13 +100,15 @@ def test_distillation_trainer_chunked_divergence(
     want, entropy, n = dt._chunked_divergence_loss(
         x.hidden, th, x.weight, tw, x.mask.long(), beta, num_items_in_batch=items,
         student_logit_scale=scale, teacher_logit_scale=scale, temperature=temperature, **bias,
+        student_final_logit_softcapping=softcap, teacher_final_logit_softcapping=softcap,
     )  # fmt: skip
     assert want.dtype == torch.float32  # whatever the input dtype
-    t_logits = scale * (th @ tw.T + (tb if with_bias else 0))
+    t_logits = _cap(scale * (th @ tw.T + (tb if with_bias else 0)), softcap)
     norm = {} if items is None else {"normalizer": float(items)}
     got = d.linear_distill_loss(
         x.hidden, scale * x.weight, t_logits, x.mask, temperature=temperature,
-        bias=scale * sb if with_bias else None, chunk_size=5, **_kind(beta), **norm,
+        bias=scale * sb if with_bias else None, chunk_size=5, softcap=softcap, **_kind(beta),
+        **norm,
     )  # fmt: skip
     torch.testing.assert_close(got, want.double(), **F32)
     leaves = (x.hidden, x.weight, *((sb,) if with_bias else ()))
@@ -103,7 +117,7 @@ def test_distillation_trainer_chunked_divergence(
     for a, b in zip(g_got, g_want, strict=True):
         torch.testing.assert_close(a, b, **F32)
     # the logged metric: the student's entropy summed over the valid tokens, and their count
-    logits = scale * (x.hidden @ x.weight.T + (sb if with_bias else 0))
+    logits = _cap(scale * (x.hidden @ x.weight.T + (sb if with_bias else 0)), softcap)
     ent = d.token_entropy(logits.detach(), temperature=temperature)
     torch.testing.assert_close(ent[x.mask].sum(), entropy.double(), **F32)
     assert int(n) == int(x.mask.sum())

@@ -158,7 +158,8 @@ ROWS: list[Row] = [
         note=f"compared in {_TD}: every beta, temperature, num_items_in_batch, lm_head bias, "
         "logit_scale (folded into the weight and bias), the entropy metric; float32 (TRL's "
         "kernel computes in float32 whatever the input); the teacher's logits are passed "
-        "whole; final_logit_softcapping (c tanh(z / c), Gemma) has no dapo_ops option"),
+        "whole; final_logit_softcapping (c tanh(z / c), Gemma): softcap=c on the student's "
+        "logits, the teacher's capped by the caller (compared for c = None, 30, 2)"),
     Row(_DIST, "top-k forward KL with a tail bucket or renormalised (IW-OPD top_k, beta=0)",
         'linear_distill_loss(..., topk=k, topk_tail="bucket" or "renormalize")',
         ("IWOPDTrainer.generalized_jsd_loss",), note=f"compared in {_TD}: add_tail True and "

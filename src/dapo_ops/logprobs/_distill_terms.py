@@ -37,10 +37,10 @@ from dapo_ops.logprobs._fused_linear import (
     Chunks,
     chunks_for,
     grads_for,
-    grads_from_forward,
-    keep_grads,
     linear,
 )
+from dapo_ops.logprobs._grad_handover import grads_from_forward, keep_grads
+from dapo_ops.logprobs._softcap import capped
 from dapo_ops.logprobs._softmax_blocks import LOGP_FLOOR
 
 
@@ -57,6 +57,7 @@ class DistillSpec:
     mode: str
     max_len: int | None
     chunk: int
+    softcap: float | None = None  # the student's final-logit cap (the teacher's: the caller's)
     tail: str = "none"  # top-k path: "none" (verl), "bucket" or "renormalize" (TRL)
 
 
@@ -183,11 +184,12 @@ def _whole(parts: list[Tensor], batch: int, seq: int) -> Tensor | None:
 
 
 def _weighted(chunks: Chunks, g: Tensor, w: Tensor) -> Tensor:
-    """``g * w`` per row in the dtype of the matmuls; in place when eager."""
+    """``g * w`` per row, taken through the cap (if any), in the dtype of the matmuls; in
+    place when eager."""
     if chunks.functional:
-        g = g * w.unsqueeze(1)
+        g = chunks.uncap(g * w.unsqueeze(1))
         return g.to(chunks.nbuf.dtype) if chunks.narrow else g
-    g = g.mul_(w.unsqueeze(1))
+    g = chunks.uncap(g.mul_(w.unsqueeze(1)))
     return chunks.nbuf[: g.shape[0]].copy_(g) if chunks.narrow else g
 
 
@@ -202,7 +204,7 @@ def forward_pass(
     """(loss, the per-token ``Terms`` ``[batch, seq]`` without gradient, the gradients)."""
     batch, seq = t.valid.shape
     flat = hidden.reshape(batch * seq, hidden.shape[-1])
-    chunks = chunks_for(flat, weight, bias, spec.chunk, spec.temperature)
+    chunks = chunks_for(flat, weight, bias, spec.chunk, spec.temperature, None, spec.softcap)
     cdt, valid = chunks.cdt, t.valid.reshape(-1, 1)
     w = _scale(spec, t, cdt)
     grads = grads_for(chunks, flat, need) if any(need) else None
@@ -244,7 +246,9 @@ def reference_loss(
     cdt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     valid = t.valid.reshape(-1, 1)
     flat = torch.where(valid, hidden.reshape(batch * seq, -1), 0.0)
-    s = torch.log_softmax(linear(flat, weight, bias).to(cdt) / spec.temperature, dim=1)
+    z = linear(flat, weight, bias).to(cdt)
+    z = z if spec.softcap is None else capped(z, spec.softcap)[0]
+    s = torch.log_softmax(z / spec.temperature, dim=1)
     teacher, ids = _teacher_rows(t, cdt, 0, batch * seq)
     if ids is not None or spec.topk is not None:
         if ids is None:

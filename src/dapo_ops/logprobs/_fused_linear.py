@@ -6,7 +6,9 @@ rows :math:`h` (``[n, d]``) of the hidden states, :class:`Chunks` forms
 
 - :meth:`Chunks.log_softmax`: :math:`\ell = \log\mathrm{softmax}((hW^\top + b)/T)` in
   float32 (float64), ``[n, vocab]``, in one reusable chunk buffer (the matmul writes into
-  it; on CPU the log-softmax overwrites it in place);
+  it; on CPU the log-softmax overwrites it in place); with ``softcap=c`` the logits are
+  capped first, :math:`c\tanh(z/c)`, and :math:`\tanh(z/c)` kept in a second buffer
+  (:mod:`dapo_ops.logprobs._softcap`);
 - :meth:`Chunks.entropy`: :math:`H = -\sum_v e^{\ell_v}\ell_v` per row;
 - :meth:`Chunks.grad_`: for :math:`L = \sum_t a_t \ell_{t,y_t} + b_t H_t`,
   :math:`G = \partial L/\partial x = (a(\delta_y - p) - b\,p(\ell + H))/T` written over
@@ -23,14 +25,13 @@ on pieces of about ``PIECE_ELEMENTS`` through one small scratch buffer. Under
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from dapo_ops._core._validate import is_compiling
 from dapo_ops.logprobs._logprob_checks import compute_dtype
+from dapo_ops.logprobs._softcap import cap_, capped, through_cap
 from dapo_ops.logprobs._softmax_blocks import LOGP_FLOOR
 from dapo_ops.logprobs._truncation import Truncation, truncated
 
@@ -81,12 +82,15 @@ class Chunks:
     nbuf: Tensor  # [chunk, vocab], input dtype (narrow only)
     scratch: Tensor | None = None
     trunc: Truncation | None = None  # the sampler's truncation (top-k, top-p, min-p)
+    softcap: float | None = None  # the final-logit cap c (None: off)
+    tanh: Tensor | None = None  # with softcap: tanh(z/c) of the last chunk formed
+    tbuf: Tensor | None = None  # and its buffer (eager)
 
     def release(self) -> None:
         """Drop the buffers (before the gradients are rounded to the input dtype, so the
         two never coexist)."""
         self.buf = self.nbuf = self.buf.new_empty(0, 0)
-        self.scratch = None
+        self.scratch = self.tanh = self.tbuf = None
 
     def spans(self) -> list[tuple[int, int]]:
         return [(s, min(s + self.chunk, self.rows)) for s in range(0, self.rows, self.chunk)]
@@ -114,6 +118,8 @@ class Chunks:
         n, weight, bias, temp = h.shape[0], self.weight, self.bias, self.temperature
         if self.functional:
             z = linear(h, weight, bias).to(self.cdt)
+            if self.softcap is not None:
+                z, self.tanh = capped(z, self.softcap)
             z = z if temp == 1.0 else z / temp
             if self.trunc is not None:
                 z, tau = truncated(z, self.trunc, tok, tau, False)
@@ -126,6 +132,10 @@ class Chunks:
             torch.addmm(bias, h, weight.T, out=mm)
         if self.narrow:
             z.copy_(mm)
+        if self.softcap is not None:
+            if self.tbuf is None:
+                self.tbuf = torch.empty_like(self.buf)
+            self.tanh = cap_(z, self.softcap, self.tbuf[:n])
         if temp != 1.0:
             z.div_(temp)
         if self.trunc is not None:
@@ -158,8 +168,9 @@ class Chunks:
         r"""The gradient of ``sum_t a_t lp[t, y_t] + b_t H_t`` w.r.t. the raw logits:
         ``p (alpha + beta lp) + (a / T) delta_y`` with ``alpha = -(a + b H) / T``,
         ``beta = -b / T`` (``a``, ``b``: ``[n]``, None for 0; ``lp`` floored when ``b`` is
-        given; ``tok``: ``[n, 1]``). Formed over ``lp``, then for bfloat16/float16 inputs
-        rounded once into the narrow buffer: the dtype of the matmuls that follow."""
+        given; ``tok``: ``[n, 1]``). Formed over ``lp``, taken through the cap
+        (:meth:`uncap`), then for bfloat16/float16 inputs rounded once into the narrow
+        buffer: the dtype of the matmuls that follow."""
         temp = self.temperature
         alpha = lp.new_zeros(()) if a is None else a.neg()
         if b is not None:
@@ -170,7 +181,7 @@ class Chunks:
         hit = None if a is None else (a / temp).unsqueeze(1)
         if self.functional:
             g = lp.exp() * (alpha if beta is None else lp * beta + alpha)
-            g = g if hit is None else g.scatter_add(1, tok, hit)
+            g = self.uncap(g if hit is None else g.scatter_add(1, tok, hit))
             return g.to(self.nbuf.dtype) if self.narrow else g
         if beta is None:
             g = lp.exp_().mul_(alpha)
@@ -182,7 +193,16 @@ class Chunks:
             g = lp
         if hit is not None:
             g.scatter_add_(1, tok, hit)
+        g = self.uncap(g)
         return self.nbuf[: g.shape[0]].copy_(g) if self.narrow else g
+
+    def uncap(self, g: Tensor) -> Tensor:
+        """A gradient w.r.t. the capped logits of the last chunk formed, taken back to
+        the raw ones (``g`` itself without softcap; in place when eager)."""
+        if self.tanh is None:
+            return g
+        t, self.tanh = self.tanh, None
+        return through_cap(g, t, not self.functional)
 
 
 def chunks_for(
@@ -192,6 +212,7 @@ def chunks_for(
     chunk: int,
     temperature: float,
     trunc: Truncation | None = None,
+    softcap: float | None = None,
 ) -> Chunks:
     rows, vocab = hidden.shape[0], weight.shape[0]
     cdt = compute_dtype(hidden.dtype)
@@ -204,7 +225,7 @@ def chunks_for(
     in_place = hidden.device.type == "cpu"
     return Chunks(
         weight, bias, temperature, rows, vocab, cdt, narrow, functional, chunk, piece, in_place,
-        buf, nbuf, None, trunc,
+        buf, nbuf, None, trunc, softcap,
     )  # fmt: skip
 
 
@@ -294,42 +315,3 @@ def grads_for(chunks: Chunks, hidden: Tensor, need: tuple[bool, bool, bool]) -> 
     gw = hidden.new_empty(chunks.weight.shape, dtype=chunks.cdt) if need[1] else None
     gb = hidden.new_empty(chunks.vocab, dtype=chunks.cdt) if need[2] else None
     return Grads(chunks, hidden.dtype, need, gh, gw, gb, [])
-
-
-def keep_grads(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, grads: Any) -> None:
-    """Forward side of a loss whose gradients are formed in its forward pass: eagerly they
-    are handed over to the first backward (no copy when the incoming gradient is 1); traced
-    by torch.compile, they are plain saved tensors."""
-    ctx.handover = not is_compiling()
-    ctx.grads = grads if ctx.handover else None
-    saved = [] if ctx.handover else [g for g in grads if g is not None]
-    ctx.save_for_backward(hidden, weight, bias, *saved)
-
-
-def grads_from_forward(
-    ctx: Any,
-    grad_out: Tensor,
-    reference: Callable[[Tensor, Tensor, Tensor | None], Tensor],
-    again: Callable[[Tensor, Tensor, Tensor | None], Any],
-) -> tuple[Tensor | None, ...]:
-    """Backward side of :func:`keep_grads`: the kept gradients times ``grad_out``;
-    ``create_graph=True`` differentiates ``reference`` (the definition); a second backward
-    through a retained graph forms them ``again``. Then ``None`` for the two non-tensor
-    inputs (spec, inputs)."""
-    hidden, weight, bias, *saved = ctx.saved_tensors
-    if torch.is_grad_enabled():  # create_graph=True: differentiate the definition
-        wanted = [x for x, n in zip((hidden, weight, bias), ctx.need, strict=True) if n]
-        with torch.enable_grad():
-            loss = reference(hidden, weight, bias)
-            got = iter(torch.autograd.grad(loss, wanted, grad_out, create_graph=True))
-        return (*(next(got) if n else None for n in ctx.need), None, None)
-    if ctx.handover:
-        grads, ctx.grads = ctx.grads, None
-        if grads is None:  # a second backward through a retained graph
-            grads = again(hidden, weight, bias)
-    else:
-        it = iter(saved)
-        grads = tuple(next(it) if n else None for n in ctx.need)
-    one = ctx.handover and grad_out.device.type == "cpu" and float(grad_out) == 1.0
-    out = [g if g is None or one else (g * grad_out).to(g.dtype) for g in grads]
-    return (*out, None, None)

@@ -12,6 +12,7 @@ from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
 from dapo_ops.logprobs._fused_linear import Chunks, Grads, chunks_for, grads_for, linear
+from dapo_ops.logprobs._softcap import grad_through_cap
 from dapo_ops.logprobs._softmax_blocks import grad_with_graph
 from dapo_ops.logprobs._truncation import Truncation
 
@@ -30,8 +31,9 @@ class FusedLinearLogpEntropy(torch.autograd.Function):
         temperature: float,
         chunk: int,
         trunc: Truncation | None = None,
+        softcap: float | None = None,
     ) -> tuple[Tensor, Tensor]:
-        chunks = chunks_for(hidden, weight, bias, chunk, temperature, trunc)
+        chunks = chunks_for(hidden, weight, bias, chunk, temperature, trunc, softcap)
         tok = tokens.unsqueeze(1)
         logp, entropy, taus = [], [], []
         for start, stop in chunks.spans():
@@ -45,6 +47,7 @@ class FusedLinearLogpEntropy(torch.autograd.Function):
         tau_all = torch.cat(taus) if taus else empty
         ctx.save_for_backward(hidden, weight, bias, tokens, ent_all, tau_all)  # type: ignore[arg-type]
         ctx.temperature, ctx.chunk, ctx.trunc = temperature, chunk, trunc  # type: ignore[attr-defined]
+        ctx.softcap = softcap  # type: ignore[attr-defined]
         ctx.set_materialize_grads(False)
         return lp_all, ent_all
 
@@ -56,20 +59,21 @@ class FusedLinearLogpEntropy(torch.autograd.Function):
         tau = None if ctx.trunc is None else tau
         need = tuple(ctx.needs_input_grad[:3])
         if not any(need) or (grad_logp is None and grad_entropy is None):
-            return (None,) * 7
+            return (None,) * 8
         cdt = entropy.dtype
         if torch.is_grad_enabled():  # create_graph=True: a gradient autograd can differentiate
-            z = linear(hidden, weight, bias)
-            g = grad_with_graph(z, tokens, grad_logp, grad_entropy, ctx.temperature, cdt, tau)
+            g = grad_through_cap(linear(hidden, weight, bias), ctx.softcap, cdt, lambda z: grad_with_graph(z, tokens, grad_logp, grad_entropy, ctx.temperature, cdt, tau))  # fmt: skip
             dtype = hidden.dtype
             return (
                 (g.to(dtype) @ weight) if need[0] else None,
                 (g.T @ hidden.to(cdt)).to(dtype) if need[1] else None,
                 g.sum(dim=0).to(dtype) if need[2] else None,
-                *(None,) * 4,
+                *(None,) * 5,
             )
         with torch.no_grad():
-            chunks = chunks_for(hidden, weight, bias, ctx.chunk, ctx.temperature, ctx.trunc)
+            chunks = chunks_for(
+                hidden, weight, bias, ctx.chunk, ctx.temperature, ctx.trunc, ctx.softcap
+            )
             grads = grads_for(chunks, hidden, need)
             a = None if grad_logp is None else grad_logp.to(cdt)
             b = None if grad_entropy is None else grad_entropy.to(cdt)
@@ -77,7 +81,7 @@ class FusedLinearLogpEntropy(torch.autograd.Function):
             for s, e in chunks.spans():
                 _backward_chunk(chunks, grads, hidden, tok, a, b, entropy, tau, s, e)
             chunks.release()
-            return (*grads.result(), *(None,) * 4)
+            return (*grads.result(), *(None,) * 5)
 
 
 def _backward_chunk(

@@ -34,10 +34,10 @@ from dapo_ops.logprobs._fused_linear import (
     Grads,
     chunks_for,
     grads_for,
-    grads_from_forward,
-    keep_grads,
     linear,
 )
+from dapo_ops.logprobs._grad_handover import grads_from_forward, keep_grads
+from dapo_ops.logprobs._softcap import capped
 from dapo_ops.logprobs._softmax_blocks import LOGP_FLOOR
 from dapo_ops.logprobs._truncation import Truncation, thresholds, truncate
 from dapo_ops.objectives import Objective
@@ -53,6 +53,7 @@ class LinearSpec:
     chunk: int  # tokens per chunk
     entropy: bool  # entropies computed (for the bonus or the diagnostics)
     trunc: Truncation | None = None  # the sampler's truncation (top-k, top-p, min-p)
+    softcap: float | None = None  # the final-logit cap c: c tanh(z / c) before / T
 
 
 class LinearInputs(NamedTuple):
@@ -220,7 +221,7 @@ def forward_pass(
     # token chunks; or whole sequences, as many as fit, one sequence in chunks if it does not
     rows = 1 if by_token else max(1, spec.chunk // max(seq, 1))
     chunk = spec.chunk if by_token or seq > spec.chunk else rows * seq
-    chunks = chunks_for(flat, weight, bias, chunk, spec.temperature, spec.trunc)
+    chunks = chunks_for(flat, weight, bias, chunk, spec.temperature, spec.trunc, spec.softcap)
     grads = grads_for(chunks, flat, need) if any(need) else None
     run = _Pass(spec, chunks, grads, flat.new_zeros((), dtype=dtype), [], [])
     lay, lay_scale = _layout(t, scale, by_token)
@@ -256,7 +257,8 @@ def reference_loss(
     dtype = compute_dtype(hidden, t.old_logp, t.adv)
     cdt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     flat = torch.where(t.valid.reshape(-1, 1), hidden.reshape(batch * seq, -1), 0.0)
-    z = linear(flat, weight, bias).to(cdt) / spec.temperature
+    z = linear(flat, weight, bias).to(cdt)
+    z = (z if spec.softcap is None else capped(z, spec.softcap)[0]) / spec.temperature
     tok = t.tokens.reshape(-1, 1)
     if spec.trunc is not None:  # the kept set is piecewise constant: found without a graph
         z = truncate(z, thresholds(z.detach(), spec.trunc), tok, False)

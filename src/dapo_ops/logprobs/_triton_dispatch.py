@@ -28,6 +28,7 @@ from dapo_ops.logprobs._linear_loss import (
     _objective_terms,
     reference_loss,
 )
+from dapo_ops.logprobs._softcap import grad_through_cap
 from dapo_ops.logprobs._softmax_blocks import grad_with_graph
 
 Backend = Literal["auto", "triton", "chunked"]
@@ -114,7 +115,7 @@ def _pass1(
 
     h, w, b = _flat(hidden, weight, bias)
     tok, valid = t.tokens.reshape(-1), t.valid.reshape(-1).to(torch.int8)
-    logp, ent, lse = forward_stats(h, w, b, tok, valid, spec.temperature)
+    logp, ent, lse = forward_stats(h, w, b, tok, valid, spec.temperature, spec.softcap)
     shape = t.valid.shape
     loss, a, g_ent = _engine(spec, logp.view(shape), ent.view(shape), t, with_grad)
     a = logp.new_zeros(shape) if a is None else a.to(logp.dtype)
@@ -155,7 +156,8 @@ class TritonPolicyLoss(torch.autograd.Function):
         t = ctx.inputs
         tok, valid = t.tokens.reshape(-1), t.valid.reshape(-1).to(torch.int8)
         stats = (lse, ent, (a * g).reshape(-1), b_vec)
-        gh, gw, gb = backward_grads(h, w, b, tok, valid, stats, ctx.spec.temperature, need)  # type: ignore[arg-type]
+        scale = (ctx.spec.temperature, ctx.spec.softcap)
+        gh, gw, gb = backward_grads(h, w, b, tok, valid, stats, scale, need)  # type: ignore[arg-type]
         return (None if gh is None else gh.view(hidden.shape), gw, gb, None, None)
 
 
@@ -175,14 +177,14 @@ class TritonLogpEntropy(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, tokens: Tensor,
-        temperature: float,
+        temperature: float, softcap: float | None,
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
         from dapo_ops.logprobs._triton_linear import forward_stats
 
         h, w, b = _flat(hidden, weight, bias)
-        logp, ent, lse = forward_stats(h, w, b, tokens, None, temperature)
+        logp, ent, lse = forward_stats(h, w, b, tokens, None, temperature, softcap)
         ctx.save_for_backward(hidden, weight, bias, tokens, lse, ent)
-        ctx.temperature = temperature
+        ctx.temperature, ctx.softcap = temperature, softcap
         ctx.set_materialize_grads(False)
         return logp, ent
 
@@ -193,27 +195,28 @@ class TritonLogpEntropy(torch.autograd.Function):
         hidden, weight, bias, tokens, lse, ent = ctx.saved_tensors
         need = tuple(bool(n) for n in ctx.needs_input_grad[:3])
         if not any(need) or (grad_logp is None and grad_ent is None):
-            return (None,) * 5
+            return (None,) * 6
         cdt = ent.dtype
         if torch.is_grad_enabled():  # create_graph=True: a differentiable gradient
-            g = grad_with_graph(linear(hidden, weight, bias), tokens, grad_logp, grad_ent, ctx.temperature, cdt)  # fmt: skip
+            g = grad_through_cap(linear(hidden, weight, bias), ctx.softcap, cdt, lambda z: grad_with_graph(z, tokens, grad_logp, grad_ent, ctx.temperature, cdt))  # fmt: skip
             dtype = hidden.dtype
             return (
                 (g.to(dtype) @ weight) if need[0] else None,
                 (g.T @ hidden.to(cdt)).to(dtype) if need[1] else None,
                 g.sum(dim=0).to(dtype) if need[2] else None,
-                None,
-                None,
+                *(None,) * 3,
             )
         a = ent.new_zeros(ent.shape) if grad_logp is None else grad_logp.to(cdt).contiguous()
         b_vec = None if grad_ent is None else grad_ent.to(cdt).contiguous()
         h, w, b = _flat(hidden, weight, bias)
-        grads = backward_grads(h, w, b, tokens, None, (lse, ent, a, b_vec), ctx.temperature, need)  # type: ignore[arg-type]  # fmt: skip
-        return (*grads, None, None)
+        scale = (ctx.temperature, ctx.softcap)
+        grads = backward_grads(h, w, b, tokens, None, (lse, ent, a, b_vec), scale, need)  # type: ignore[arg-type]  # fmt: skip
+        return (*grads, None, None, None)
 
 
 def triton_logprobs_entropy(
-    hidden: Tensor, weight: Tensor, bias: Tensor | None, tokens: Tensor, temperature: float
-) -> tuple[Tensor, Tensor]:
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, tokens: Tensor, temperature: float,
+    softcap: float | None,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     """``(logp, entropy)`` ``[N]`` in the compute dtype, for ``hidden [N, d]``."""
-    return TritonLogpEntropy.apply(hidden, weight, bias, tokens, temperature)  # type: ignore[no-any-return,no-untyped-call]
+    return TritonLogpEntropy.apply(hidden, weight, bias, tokens, temperature, softcap)  # type: ignore[no-any-return,no-untyped-call]

@@ -50,10 +50,29 @@ def _dot(a, b, acc, UPCAST: tl.constexpr, ACC: tl.constexpr):
 
 
 @triton.jit
-def _tile(h_ptr, w_ptr, b_ptr, rows, live, cols, col_ok, D, temp,
+def _tanh(x):
+    """``tanh`` from ``exp``, odd by construction: ``e = exp(-2|x|)`` in ``(0, 1]``."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _scaled(acc, temp, cap, HAS_CAP: tl.constexpr):
+    """``(z / T, t)`` of raw logits ``z``: with the cap, ``(c t / T, t)``, ``t = tanh(z/c)``
+    (``t`` unused without it)."""
+    z, t = acc, acc
+    if HAS_CAP:
+        t = _tanh(acc / cap)
+        z = t * cap
+    return z / temp, t
+
+
+@triton.jit
+def _tile(h_ptr, w_ptr, b_ptr, rows, live, cols, col_ok, D,
           HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
           BT: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr):  # fmt: skip
-    """``(h W^T + b) / T`` for ``rows x cols``, in ACC; dead rows read as zeros."""
+    """``h W^T + b`` for ``rows x cols``, in ACC; dead rows read as zeros."""
     acc = tl.full([BT, BV], 0.0, ACC)
     for k0 in range(0, D, BD):
         ks = k0 + tl.arange(0, BD)
@@ -65,7 +84,7 @@ def _tile(h_ptr, w_ptr, b_ptr, rows, live, cols, col_ok, D, temp,
         acc = _dot(h, tl.trans(w), acc, UPCAST, ACC)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(ACC)[None, :]
-    return acc / temp
+    return acc
 
 
 @triton.jit
@@ -80,9 +99,10 @@ def _rows(start, N, tok_ptr, valid_ptr, BT: tl.constexpr, HAS_VALID: tl.constexp
 
 
 @triton.jit
-def _grad(z, rows, ok, live, tok, cols, col_ok, lse_ptr, ent_ptr, a_ptr, b_ptr2, temp,
-          HAS_B: tl.constexpr):  # fmt: skip
-    """``G`` of a tile from its logits and the rows' lse, H, a, b."""
+def _grad(z, t, rows, ok, live, tok, cols, col_ok, lse_ptr, ent_ptr, a_ptr, b_ptr2, temp,
+          HAS_B: tl.constexpr, HAS_CAP: tl.constexpr):  # fmt: skip
+    """``G`` of a tile from its logits (``t = tanh(z_raw / c)`` with the cap) and the rows'
+    lse, H, a, b."""
     lse = tl.load(lse_ptr + rows, mask=ok, other=0.0)
     a = tl.load(a_ptr + rows, mask=ok, other=0.0)
     lp = z - lse[:, None]
@@ -94,12 +114,15 @@ def _grad(z, rows, ok, live, tok, cols, col_ok, lse_ptr, ent_ptr, a_ptr, b_ptr2,
         g -= b[:, None] * p * (tl.maximum(lp, FLOOR) + ent[:, None])
     g += tl.where(cols[None, :] == tok[:, None], a[:, None], 0.0)
     g = g / temp
+    if HAS_CAP:
+        g = g * (1.0 - t * t)
     return tl.where(live[:, None] & col_ok[None, :], g, 0.0)
 
 
 @triton.jit
 def fwd(h_ptr, w_ptr, b_ptr, tok_ptr, valid_ptr, logp_ptr, ent_ptr, lse_ptr, N, V, D, temp,
-        HAS_BIAS: tl.constexpr, HAS_VALID: tl.constexpr, UPCAST: tl.constexpr,
+        cap, HAS_BIAS: tl.constexpr, HAS_VALID: tl.constexpr, HAS_CAP: tl.constexpr,
+        UPCAST: tl.constexpr,
         ACC: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr):  # fmt: skip
     rows, ok, live, tok = _rows(
         tl.program_id(0).to(tl.int64) * BT, N, tok_ptr, valid_ptr, BT, HAS_VALID
@@ -111,8 +134,8 @@ def fwd(h_ptr, w_ptr, b_ptr, tok_ptr, valid_ptr, logp_ptr, ent_ptr, lse_ptr, N, 
     for v0 in range(0, V, BV):
         cols = v0 + tl.arange(0, BV).to(tl.int64)
         col_ok = cols < V
-        z = _tile(h_ptr, w_ptr, b_ptr, rows, live, cols, col_ok, D, temp,
-                  HAS_BIAS, UPCAST, ACC, BT, BV, BD)  # fmt: skip
+        z, _ = _scaled(_tile(h_ptr, w_ptr, b_ptr, rows, live, cols, col_ok, D,
+                             HAS_BIAS, UPCAST, ACC, BT, BV, BD), temp, cap, HAS_CAP)  # fmt: skip
         z = tl.where(col_ok[None, :], z, float("-inf"))
         m_new = tl.maximum(m, _max(z, 1))
         alpha = tl.exp(m - m_new)
@@ -131,8 +154,9 @@ def fwd(h_ptr, w_ptr, b_ptr, tok_ptr, valid_ptr, logp_ptr, ent_ptr, lse_ptr, N, 
 
 @triton.jit
 def bwd_hidden(h_ptr, w_ptr, b_ptr, tok_ptr, valid_ptr, lse_ptr, ent_ptr, a_ptr, bb_ptr,
-               gh_ptr, N, V, D, temp, HAS_BIAS: tl.constexpr, HAS_VALID: tl.constexpr,
-               HAS_B: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
+               gh_ptr, N, V, D, temp, cap, HAS_BIAS: tl.constexpr, HAS_VALID: tl.constexpr,
+               HAS_B: tl.constexpr, HAS_CAP: tl.constexpr, UPCAST: tl.constexpr,
+               ACC: tl.constexpr,
                BT: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr):  # fmt: skip
     rows, ok, live, tok = _rows(
         tl.program_id(0).to(tl.int64) * BT, N, tok_ptr, valid_ptr, BT, HAS_VALID
@@ -140,10 +164,10 @@ def bwd_hidden(h_ptr, w_ptr, b_ptr, tok_ptr, valid_ptr, lse_ptr, ent_ptr, a_ptr,
     for v0 in range(0, V, BV):
         cols = v0 + tl.arange(0, BV).to(tl.int64)
         col_ok = cols < V
-        z = _tile(h_ptr, w_ptr, b_ptr, rows, live, cols, col_ok, D, temp,
-                  HAS_BIAS, UPCAST, ACC, BT, BV, BD)  # fmt: skip
-        g = _grad(z, rows, ok, live, tok, cols, col_ok, lse_ptr, ent_ptr, a_ptr, bb_ptr,
-                  temp, HAS_B).to(w_ptr.dtype.element_ty)  # fmt: skip
+        z, t = _scaled(_tile(h_ptr, w_ptr, b_ptr, rows, live, cols, col_ok, D,
+                             HAS_BIAS, UPCAST, ACC, BT, BV, BD), temp, cap, HAS_CAP)  # fmt: skip
+        g = _grad(z, t, rows, ok, live, tok, cols, col_ok, lse_ptr, ent_ptr, a_ptr, bb_ptr,
+                  temp, HAS_B, HAS_CAP).to(w_ptr.dtype.element_ty)  # fmt: skip
         for k0 in range(0, D, BD):
             ks = k0 + tl.arange(0, BD)
             k_ok = ks < D
@@ -158,8 +182,9 @@ def bwd_hidden(h_ptr, w_ptr, b_ptr, tok_ptr, valid_ptr, lse_ptr, ent_ptr, a_ptr,
 
 @triton.jit
 def bwd_weight(h_ptr, w_ptr, b_ptr, tok_ptr, valid_ptr, lse_ptr, ent_ptr, a_ptr, bb_ptr,
-               gw_ptr, gb_ptr, N, V, D, temp, HAS_BIAS: tl.constexpr,
-               HAS_VALID: tl.constexpr, HAS_B: tl.constexpr, NEED_W: tl.constexpr,
+               gw_ptr, gb_ptr, N, V, D, temp, cap, HAS_BIAS: tl.constexpr,
+               HAS_VALID: tl.constexpr, HAS_B: tl.constexpr, HAS_CAP: tl.constexpr,
+               NEED_W: tl.constexpr,
                NEED_BIAS: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
                BT: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr):  # fmt: skip
     cols = tl.program_id(0).to(tl.int64) * BV + tl.arange(0, BV)
@@ -167,10 +192,10 @@ def bwd_weight(h_ptr, w_ptr, b_ptr, tok_ptr, valid_ptr, lse_ptr, ent_ptr, a_ptr,
     col_sum = tl.full([BV], 0.0, ACC)
     for t0 in range(0, N, BT):
         rows, ok, live, tok = _rows(t0, N, tok_ptr, valid_ptr, BT, HAS_VALID)
-        z = _tile(h_ptr, w_ptr, b_ptr, rows, live, cols, col_ok, D, temp,
-                  HAS_BIAS, UPCAST, ACC, BT, BV, BD)  # fmt: skip
-        g = _grad(z, rows, ok, live, tok, cols, col_ok, lse_ptr, ent_ptr, a_ptr, bb_ptr,
-                  temp, HAS_B).to(w_ptr.dtype.element_ty)  # fmt: skip
+        z, t = _scaled(_tile(h_ptr, w_ptr, b_ptr, rows, live, cols, col_ok, D,
+                             HAS_BIAS, UPCAST, ACC, BT, BV, BD), temp, cap, HAS_CAP)  # fmt: skip
+        g = _grad(z, t, rows, ok, live, tok, cols, col_ok, lse_ptr, ent_ptr, a_ptr, bb_ptr,
+                  temp, HAS_B, HAS_CAP).to(w_ptr.dtype.element_ty)  # fmt: skip
         if NEED_BIAS:
             col_sum += _sum(g.to(ACC), 0)
         if NEED_W:

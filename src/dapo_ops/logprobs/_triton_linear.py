@@ -4,7 +4,8 @@ Private; :mod:`dapo_ops.logprobs._triton_dispatch` selects them (``backend="trit
 imported on the first call only (never at ``import dapo_ops``), and the kernels are
 defined then, once per mode (compiled, or Triton's interpreter under
 ``TRITON_INTERPRET=1``, which runs them on CPU tensors). Three kernels, each over tiles of
-the logits ``z = (h W^T + b) / T`` formed on chip (``tl.dot`` over ``BLOCK_D`` slices of
+the logits ``z = (h W^T + b) / T`` (``c tanh((h W^T + b) / c) / T`` with a final-logit
+cap ``c``) formed on chip (``tl.dot`` over ``BLOCK_D`` slices of
 the hidden dimension, products accumulated in float32, float64 for float64 inputs):
 
 - :func:`forward_stats` (pass 1): per block of ``BLOCK_T`` tokens, a loop over the
@@ -13,7 +14,8 @@ the hidden dimension, products accumulated in float32, float64 for float64 input
   ``logp = z_y - lse``, ``H = log s0 - s1 / s0`` and ``lse = m + log s0``.
 - :func:`backward_grads` (pass 2): two kernels that form the same tiles again and, on
   chip, ``G = (a (delta_y - p) - b p (log p + H)) / T`` (``a``, ``b``: the upstream
-  gradients of ``logp`` and ``H`` per token); one per token block accumulates
+  gradients of ``logp`` and ``H`` per token; times ``1 - tanh^2`` with a cap); one per
+  token block accumulates
   ``dh = G W`` over the vocabulary tiles, one per vocabulary block accumulates
   ``dW = G^T h`` and ``db = G^T 1`` over the token tiles. Each program owns its rows of
   the result (a float32 buffer it reads and writes, ordered by a barrier): no atomics,
@@ -106,10 +108,12 @@ def forward_stats(
     tok: Tensor,
     valid: Tensor | None,
     temperature: float,
+    softcap: float | None = None,
     blocks: Blocks | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(logp, entropy, lse)`` per row of contiguous ``h [N, D]``, in the compute dtype.
-    ``tok`` int64 ids in ``[0, V)``; ``valid`` int8 or None (every row)."""
+    ``tok`` int64 ids in ``[0, V)``; ``valid`` int8 or None (every row); ``softcap`` the
+    final-logit cap (None: off)."""
     n, vocab, dim = h.shape[0], w.shape[0], w.shape[1]
     cdt = torch.float64 if h.dtype == torch.float64 else torch.float32
     logp, ent, lse = (h.new_empty(n, dtype=cdt) for _ in range(3))
@@ -118,8 +122,9 @@ def forward_stats(
     ks, meta, b = _common(h, blocks)
     ks.fwd[_grid(n, b.tokens)](
         h, w, h if bias is None else bias, tok, tok if valid is None else valid,
-        logp, ent, lse, n, vocab, dim, float(temperature),
-        HAS_BIAS=bias is not None, HAS_VALID=valid is not None, **meta,
+        logp, ent, lse, n, vocab, dim, float(temperature), float(softcap or 1.0),
+        HAS_BIAS=bias is not None, HAS_VALID=valid is not None, HAS_CAP=softcap is not None,
+        **meta,
     )  # fmt: skip
     return logp, ent, lse
 
@@ -131,12 +136,13 @@ def backward_grads(
     tok: Tensor,
     valid: Tensor | None,
     stats: tuple[Tensor, Tensor, Tensor, Tensor | None],
-    temperature: float,
+    scale: tuple[float, float | None],
     need: tuple[bool, bool, bool],
     blocks: Blocks | None = None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """``(dh, dW, db)`` in the inputs' dtype (None where not in ``need``), of
-    ``sum_t a_t logp_t + b_t H_t``; ``stats = (lse, H, a, b or None)``, compute dtype."""
+    ``sum_t a_t logp_t + b_t H_t``; ``stats = (lse, H, a, b or None)``, compute dtype;
+    ``scale = (temperature, softcap or None)``."""
     n, vocab, dim = h.shape[0], w.shape[0], w.shape[1]
     cdt = torch.float64 if h.dtype == torch.float64 else torch.float32
     gh = h.new_zeros((n, dim), dtype=cdt) if need[0] else None
@@ -148,12 +154,13 @@ def backward_grads(
         args = (h, w, h if bias is None else bias, tok, tok if valid is None else valid,
                 lse, ent, a, a if b_vec is None else b_vec)  # fmt: skip
         flags = {"HAS_BIAS": bias is not None, "HAS_VALID": valid is not None,
-                 "HAS_B": b_vec is not None} | meta  # fmt: skip
+                 "HAS_B": b_vec is not None, "HAS_CAP": scale[1] is not None} | meta  # fmt: skip
+        temp, cap = float(scale[0]), float(scale[1] or 1.0)
         if gh is not None:
-            ks.bwd_hidden[_grid(n, b.tokens)](*args, gh, n, vocab, dim, float(temperature), **flags)
+            ks.bwd_hidden[_grid(n, b.tokens)](*args, gh, n, vocab, dim, temp, cap, **flags)
         if gw is not None or gb is not None:
             ks.bwd_weight[_grid(vocab, b.vocab)](
                 *args, h if gw is None else gw, h if gb is None else gb, n, vocab, dim,
-                float(temperature), NEED_W=gw is not None, NEED_BIAS=gb is not None, **flags,
+                temp, cap, NEED_W=gw is not None, NEED_BIAS=gb is not None, **flags,
             )  # fmt: skip
     return tuple(None if g is None else g.to(h.dtype) for g in (gh, gw, gb))  # type: ignore[return-value]

@@ -35,6 +35,7 @@ from dapo_ops.logprobs._distill_checks import _number, check_ids, check_is_weigh
 from dapo_ops.logprobs._distill_terms import DistillInputs, DistillSpec, LinearDistill, forward_pass
 from dapo_ops.logprobs._fused_linear import DEFAULT_FUSED_CHUNK_ELEMENTS
 from dapo_ops.logprobs._logprob_checks import auto_chunk, check_options, check_projection
+from dapo_ops.logprobs._softcap import check_softcap
 
 __all__ = ["DistillDiagnostics", "linear_distill_loss", "linear_distill_loss_with_diagnostics"]
 
@@ -58,6 +59,7 @@ class DistillOptions(TypedDict, total=False):
     normalizer: Normalizer
     max_len: int | None
     chunk_size: int | None
+    softcap: float | None
     is_weights: Tensor | None
     topk_tail: TopkTail
 
@@ -127,6 +129,7 @@ def _prepare(
     if loss_clamp is not None:
         _number("loss_clamp", loss_clamp, isinstance(loss_clamp, (int, float)) and 0 < loss_clamp < math.inf,
                 "a finite number > 0 or None")  # fmt: skip
+    cap = check_softcap(o.get("softcap"))
     given = check_normalizer(o.get("normalizer"))
     den = None
     if given is not None:
@@ -138,7 +141,7 @@ def _prepare(
     spec = DistillSpec(
         kind, float(beta), float(temperature), topk,
         None if clamp is None else float(clamp), None if loss_clamp is None else float(loss_clamp),
-        mode, max_len, chunk, tail,
+        mode, max_len, chunk, cap, tail,
     )  # fmt: skip
     isw = check_is_weights(o.get("is_weights"), valid, h)
     return spec, h, w, b, DistillInputs(teacher.detach(), ids, valid, den, isw)
@@ -175,13 +178,14 @@ def linear_distill_loss(
     normalizer: Normalizer = None,
     max_len: int | None = None,
     chunk_size: int | None = None,
+    softcap: float | None = None,
     is_weights: Float[Tensor, "batch seq"] | None = None,
     topk_tail: TopkTail = "none",
 ) -> Float[Tensor, ""]:
     r"""A distillation loss from the student's last hidden states: no logits tensor.
 
-    With :math:`s = \log\mathrm{softmax}((hW^\top + b)/T)` the student's log-probs and
-    :math:`t` the teacher's, each valid token's loss :math:`l` is, by ``kind``:
+    With :math:`s = \log\mathrm{softmax}(\mathrm{cap}(hW^\top + b)/T)` the student's
+    log-probs and :math:`t` the teacher's, each valid token's loss :math:`l` is, by ``kind``:
 
     - ``"forward_kl"``: :math:`\sum_v p_t (t - s)`, :math:`KL(\pi_T\|\pi_\theta)`
       (TRL GKD ``beta=0``);
@@ -199,7 +203,11 @@ def linear_distill_loss(
 
     The teacher: ``teacher`` its logits ``[batch, seq, vocab]`` (divided by ``T`` too, as
     TRL), or with ``teacher_ids`` its top-k log-probs ``[batch, seq, k]`` at those ids
-    (taken as given). On the top-k path (``teacher_ids``, or ``topk=k`` to reduce the
+    (taken as given). ``softcap=c`` (None: off, bit for bit as without) caps the student's
+    logits, :math:`\mathrm{cap}(z) = c\tanh(z/c)` before ``/ T`` (Gemma-2's
+    ``final_logit_softcapping``; gradients through :math:`1 - \tanh^2(z/c)`); the
+    teacher's logits are inputs: cap them as the teacher model does before passing them
+    (TRL's ``DistillationTrainer`` caps both). On the top-k path (``teacher_ids``, or ``topk=k`` to reduce the
     teacher's logits to its ``k`` most likely tokens) the loss is verl's
     ``forward_kl_topk``: :math:`\max(0, \sum_{j \le k} e^{t_j'} (t_j' - s_j'))` with
     :math:`s_j` the student's log-prob at id :math:`j` (normalised over the whole
@@ -255,7 +263,8 @@ def linear_distill_loss(
         "teacher_ids": teacher_ids, "kind": kind, "beta": beta, "temperature": temperature,
         "topk": topk, "log_prob_min_clamp": log_prob_min_clamp, "loss_clamp": loss_clamp,
         "bias": bias, "mode": mode, "normalizer": normalizer, "max_len": max_len,
-        "chunk_size": chunk_size, "is_weights": is_weights, "topk_tail": topk_tail,
+        "chunk_size": chunk_size, "softcap": softcap, "is_weights": is_weights,
+        "topk_tail": topk_tail,
     }  # fmt: skip
     spec, h, w, b, t = _prepare(hidden, weight, teacher, mask, options)
     return _run(spec, h, w, b, t)[0]

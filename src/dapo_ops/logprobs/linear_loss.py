@@ -46,6 +46,7 @@ from dapo_ops.logprobs._logprob_checks import (
     check_projection,
     check_tokens,
 )
+from dapo_ops.logprobs._softcap import check_softcap
 from dapo_ops.logprobs._triton_dispatch import Backend, triton_policy_loss, use_triton
 from dapo_ops.logprobs._truncation import truncation
 from dapo_ops.objectives import ClipHigher, Objective
@@ -72,6 +73,7 @@ class LinearOptions(LossOptions, total=False):
     top_k: int | None
     top_p: float | None
     min_p: float | None
+    softcap: float | None
 
 
 class LinearDiagnostics(NamedTuple):
@@ -111,6 +113,7 @@ def _prepare(
     temperature, chunk_size = o.get("temperature", 1.0), o.get("chunk_size")
     check_options(temperature, chunk_size)
     trunc = truncation(o.get("top_k"), o.get("top_p"), o.get("min_p"))
+    cap = check_softcap(o.get("softcap"))
     check_float("old_logp", old_logp)
     if old_logp.shape != h.shape[:2]:
         raise InputError(
@@ -136,7 +139,7 @@ def _prepare(
     chunk = auto_chunk(chunk_size, vocab, h.device, DEFAULT_FUSED_CHUNK_ELEMENTS)
     wants_entropy = entropy or isinstance(coef, Tensor) or coef != 0.0
     spec = LinearSpec(
-        LossSpec(objective, kl, mode, max_len), float(temperature), chunk, wants_entropy, trunc
+        LossSpec(objective, kl, mode, max_len), float(temperature), chunk, wants_entropy, trunc, cap
     )
     ids = torch.where(valid, tok, 0).to(torch.int64)
     inputs = LinearInputs(ids, old_logp, adv, valid, ref_logp, is_weights, den, coef)
@@ -179,12 +182,13 @@ def linear_policy_loss(
     top_k: int | None = None,
     top_p: float | None = None,
     min_p: float | None = None,
+    softcap: float | None = None,
 ) -> Float[Tensor, ""]:
     r"""The policy loss straight from the last hidden states: 3 matmuls, no logits tensor.
 
     .. math::
 
-        \log\pi_{i,t} = \log\mathrm{softmax}\big((h_{i,t} W^\top + b)/T\big)_{y_{i,t}},
+        \log\pi_{i,t} = \log\mathrm{softmax}\big(\mathrm{cap}(h_{i,t} W^\top + b)/T\big)_{y_{i,t}},
         \qquad
         \mathcal{L} = \mathrm{policy\_loss}(\log\pi, \ldots)
             - c\cdot\mathrm{agg}(H, m)
@@ -247,6 +251,12 @@ def linear_policy_loss(
             renormalised over the kept set and the chosen token, as in
             :func:`token_logprobs`; exact on each chunk's full rows, gradients exact for
             the kept set.
+        softcap: the model's final-logit cap ``c > 0`` (Gemma-2's
+            ``final_logit_softcapping``, e.g. 30.0; Liger's ``softcap``): the logits are
+            :math:`\mathrm{cap}(z) = c\tanh(z/c)` before the temperature, as vLLM samples
+            them; gradients through :math:`1 - \tanh^2(z/c)`, on either backend. None
+            (default): no cap, bit for bit as without; set, one more ``[chunk, vocab]``
+            buffer on the chunked path.
 
     Double backward (``create_graph=True``) differentiates the definition (the whole
     logits, the naive path's memory). Under ``torch.compile(fullgraph=True)`` the chunks
@@ -271,7 +281,7 @@ def linear_policy_loss(
         "normalizer": normalizer, "max_len": max_len, "ref_logp": ref_logp, "kl": kl,
         "is_weights": is_weights, "entropy_coef": entropy_coef, "chunk_size": chunk_size,
         "backend": backend,
-        "top_k": top_k, "top_p": top_p, "min_p": min_p,
+        "top_k": top_k, "top_p": top_p, "min_p": min_p, "softcap": softcap,
     }  # fmt: skip
     spec, h, w, b, t = _prepare(hidden, weight, tokens, old_logp, advantages, mask, options, False)
     return _run(spec, h, w, b, t, options)[0]

@@ -40,6 +40,7 @@ from dapo_ops.logprobs._logprob_checks import (
     check_projection,
     check_tokens,
 )
+from dapo_ops.logprobs._softcap import check_softcap
 from dapo_ops.logprobs._triton_dispatch import Backend, triton_logprobs_entropy, use_triton
 from dapo_ops.logprobs._truncation import truncation
 
@@ -231,6 +232,7 @@ def fused_logprobs_entropy(
     top_k: int | None = None,
     top_p: float | None = None,
     min_p: float | None = None,
+    softcap: float | None = None,
 ) -> LogpEntropy:
     r"""Log-probs and entropies straight from hidden states: the logits never exist whole.
 
@@ -273,6 +275,9 @@ def fused_logprobs_entropy(
         top_k, top_p, min_p: the sampler's truncation, as in :func:`token_logprobs`
             (log-probs and entropies over :math:`K \cup \{y\}`), exact on each chunk's
             full rows; the per-row thresholds are saved, so backward keeps the same set.
+        softcap: the final-logit cap ``c > 0`` (None: off, bit for bit as without):
+            ``z -> c tanh(z / c)`` before the temperature (Gemma-2's
+            ``final_logit_softcapping``), as in :func:`dapo_ops.linear_policy_loss`.
 
     Double backward (``create_graph=True``) is supported as in :func:`token_logprobs`:
     the gradient is then formed from the whole ``hidden @ weight.T`` with differentiable
@@ -290,14 +295,14 @@ def fused_logprobs_entropy(
     hidden, weight, bias = check_projection(hidden, weight, bias, "[tokens, d] or [batch, seq, d]")
     vocab = weight.shape[0]
     check_options(temperature, chunk_size)
-    trunc = truncation(top_k, top_p, min_p)
+    trunc, cap = truncation(top_k, top_p, min_p), check_softcap(softcap)
     rows_shape = hidden.shape[:-1]
     tokens = check_tokens(tokens, rows_shape, f"hidden {shape_str(hidden)}", vocab)
     if tokens.device != hidden.device:
         raise InputError(f"tokens is on {tokens.device} but hidden is on {hidden.device}")
     flat, ids = hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1).to(torch.int64)
     if use_triton(backend, hidden.device, chunk_size, trunc is not None):
-        logp, entropy = triton_logprobs_entropy(flat, weight, bias, ids, float(temperature))
+        logp, entropy = triton_logprobs_entropy(flat, weight, bias, ids, float(temperature), cap)
         return LogpEntropy(logp.view(rows_shape), entropy.view(rows_shape))
     chunk = auto_chunk(chunk_size, vocab, hidden.device, DEFAULT_FUSED_CHUNK_ELEMENTS)
     logp, entropy = FusedLinearLogpEntropy.apply(  # type: ignore[no-untyped-call]
@@ -308,5 +313,6 @@ def fused_logprobs_entropy(
         float(temperature),
         chunk,
         trunc,
+        cap,
     )
     return LogpEntropy(logp.view(rows_shape), entropy.view(rows_shape))
