@@ -123,6 +123,8 @@ DISTILL_CASES = [
     {"kind": "jsd", "beta": 0.3, "softcap": 3.0, "temperature": 1.4, "mode": "seq_mean_token_mean"},
     {"softcap": 2.0, "topk": 3, "chunk_size": 4},
     {"softcap": 2.0, "teacher_ids": True, "log_prob_min_clamp": -3.0, "chunk_size": 7},
+    {"softcap": 2.0, "teacher_ids": True, "topk_tail": "bucket", "is_weights": True, "chunk_size": 4},
+    {"softcap": 1.5, "topk": 3, "topk_tail": "renormalize", "temperature": 0.8, "chunk_size": 7},
 ]  # fmt: skip
 
 
