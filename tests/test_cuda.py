@@ -295,6 +295,8 @@ DOCUMENTED_SYNCS: dict[str, str] = {
     "fused_logprobs_entropy": "token ids in [0, vocab)",
     "gdpo_advantages": "components finite",
     "group_advantages": "rewards finite",
+    "linear_distill_loss": "teacher ids in [0, vocab), none repeated on the tail paths",
+    "linear_distill_loss_with_diagnostics": "teacher ids in [0, vocab)",
     "linear_policy_loss": "token ids in [0, vocab)",
     "linear_policy_loss_with_diagnostics": "token ids in [0, vocab)",
     "opo_advantages": "lengths finite and >= 0",
