@@ -215,6 +215,7 @@ DISTILL_OPTS = {
     "loss_clamp": (0.0, -1.0, NAN, INF, "1"),
     "softcap": BAD_SOFTCAP,
     "topk_tail": ("tail", "", None, True),
+    "topk_support": ("both", "", None, True),
 }
 
 REGISTRY: list[Spec] = [

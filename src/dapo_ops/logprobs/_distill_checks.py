@@ -16,6 +16,7 @@ from dapo_ops._core._validate import (
     shape_str,
 )
 from dapo_ops.engine.checks import check_constants
+from dapo_ops.logprobs._distill_support import TOPK_SUPPORTS
 from dapo_ops.logprobs._distill_topk import TOPK_TAILS
 
 
@@ -64,15 +65,20 @@ def check_ids(ids: object, teacher: Tensor, valid: Tensor, vocab: int, distinct:
 
 
 def check_tail(tail: object, on_topk: bool, kind: str, clamp: object) -> str:
-    """``topk_tail``: one of :data:`TOPK_TAILS`; a tail term only on the top-k forward KL
-    and without verl's ``log_prob_min_clamp``."""
+    """``topk_tail``: one of :data:`TOPK_TAILS`; a tail term only on the top-k path and
+    without verl's ``log_prob_min_clamp``; the reverse KL and JSD there need one."""
     if not isinstance(tail, str) or tail not in TOPK_TAILS:
         raise InputError(f"topk_tail must be one of {TOPK_TAILS}; got {tail!r}")
-    if tail != "none" and (not on_topk or kind != "forward_kl"):
+    if tail != "none" and not on_topk:
         raise InputError(
-            f"topk_tail={tail!r} completes the forward KL over the teacher's top-k "
-            f"(teacher_ids or topk, kind='forward_kl'); got kind={kind!r} "
-            f"{'on the top-k path' if on_topk else 'without teacher_ids or topk'}"
+            f"topk_tail={tail!r} completes a divergence over top-k ids: with teacher_ids "
+            f"or topk; got neither (kind={kind!r})"
+        )
+    if on_topk and tail == "none" and kind != "forward_kl":
+        raise InputError(
+            f"kind={kind!r} on the top-k path is a divergence between two distributions "
+            f"over the ids: topk_tail='bucket' or 'renormalize'; topk_tail='none' (verl's "
+            f"forward_kl_topk) is kind='forward_kl' only"
         )
     if tail != "none" and clamp is not None:
         raise InputError(
@@ -81,6 +87,21 @@ def check_tail(tail: object, on_topk: bool, kind: str, clamp: object) -> str:
             f"topk_tail={tail!r}"
         )
     return tail
+
+
+def check_support(support: object, tail: str, has_ids: bool, topk: object) -> str:
+    """``topk_support``: one of :data:`TOPK_SUPPORTS`; other than ``"teacher"`` only with
+    ``topk`` over the teacher's logits and a tail term."""
+    if not isinstance(support, str) or support not in TOPK_SUPPORTS:
+        raise InputError(f"topk_support must be one of {TOPK_SUPPORTS}; got {support!r}")
+    if support != "teacher" and (has_ids or topk is None or tail == "none"):
+        raise InputError(
+            f"topk_support={support!r} picks the ids from the student's logits in each "
+            f"chunk: with topk=k, the teacher's logits (not teacher_ids) and topk_tail="
+            f"'bucket' or 'renormalize'; got topk={topk!r}, "
+            f"teacher_ids {'given' if has_ids else 'None'}, topk_tail={tail!r}"
+        )
+    return support
 
 
 def check_is_weights(is_weights: object, mask: Tensor, hidden: Tensor) -> Tensor | None:

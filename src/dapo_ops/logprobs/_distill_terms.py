@@ -13,7 +13,8 @@ w.r.t. the scaled logits :math:`x = z / T`, through :math:`G = a - p_s \sum_v a_
   :math:`l = \beta\,KL(t\|m) + (1-\beta)\,KL(s\|m)`,
   :math:`G = (1-\beta)\,p_s (s - m - KL(s\|m))`;
 - forward KL over the teacher's top-k ids (verl's ``forward_kl_topk``, or TRL's tail
-  bucket or renormalisation): :mod:`dapo_ops.logprobs._distill_topk`.
+  bucket or renormalisation): :mod:`dapo_ops.logprobs._distill_topk`; reverse KL and
+  JSD over a support of ids: :mod:`dapo_ops.logprobs._distill_support`.
 
 The chunk's ``grad_hidden`` and share of ``grad_weight`` are formed at once (3 matmuls in
 all); backward scales them. Eager, every step runs in place over the two chunk
@@ -32,6 +33,7 @@ import torch
 from torch import Tensor
 
 from dapo_ops.engine.aggregation import loss_scale
+from dapo_ops.logprobs._distill_support import support_ids, support_reference, support_terms
 from dapo_ops.logprobs._distill_topk import Terms, topk_reference, topk_terms
 from dapo_ops.logprobs._fused_linear import (
     Chunks,
@@ -59,6 +61,7 @@ class DistillSpec:
     chunk: int
     softcap: float | None = None  # the student's final-logit cap (the teacher's: the caller's)
     tail: str = "none"  # top-k path: "none" (verl), "bucket" or "renormalize" (TRL)
+    support: str = "teacher"  # topk=k: whose top-k ids, "teacher", "student" or "union"
 
 
 class DistillInputs(NamedTuple):
@@ -131,7 +134,7 @@ def teacher_logp(spec: DistillSpec, teacher: Tensor, ids: Tensor | None, eager: 
         z = teacher if spec.temperature == 1.0 else teacher.div_(spec.temperature)
         cpu = z.device.type == "cpu"  # the CPU kernel reads each row before it writes it
         t = torch._log_softmax(z, 1, False, out=z) if cpu else torch.log_softmax(z, dim=1)
-    return (t, None) if spec.topk is None else t.topk(spec.topk)
+    return (t, None) if spec.topk is None or spec.support != "teacher" else t.topk(spec.topk)
 
 
 def chunk_terms(
@@ -142,7 +145,9 @@ def chunk_terms(
     ``sc`` (eager, the scratch of :func:`_full_terms_`; ``[0]`` for top-k) ``lp`` and a
     whole-vocabulary ``t`` are overwritten; without, left as they are."""
     eager = sc is not None
-    if ids is not None:
+    if ids is not None and spec.kind != "forward_kl":
+        terms = support_terms(spec.kind, spec.beta, spec.tail, lp, t, ids, grad, eager)
+    elif ids is not None:
         terms = topk_terms(spec.logp_clamp, spec.tail, lp, t, ids, grad, eager)
     elif sc is not None:
         terms = _full_terms_(spec, lp, t, sc)
@@ -217,7 +222,10 @@ def forward_pass(
         tl, ids = teacher_logp(
             spec, *_teacher_rows(t, cdt, s, e), eager
         )  # before lp: 1 buffer less
-        terms = chunk_terms(spec, chunks.log_softmax(h), tl, ids, grads is not None, sc)
+        lp = chunks.log_softmax(h)
+        if spec.support != "teacher":  # the ids from the student's chunk
+            tl, ids = support_ids(spec.support, spec.topk or 1, lp, tl)
+        terms = chunk_terms(spec, lp, tl, ids, grads is not None, sc)
         loss = torch.where(valid[s:e, 0], terms.loss, 0.0)
         total = total + (w[s:e] * loss).sum()
         losses.append(loss)
@@ -226,7 +234,7 @@ def forward_pass(
             tmass.append(terms.teacher_mass)
         if grads is not None and terms.grad is not None:
             grads.add(_weighted(chunks, terms.grad, w[s:e] / spec.temperature), h, s, e)
-        del tl, terms  # this chunk's buffers go before the next chunk's come
+        del tl, lp, terms  # this chunk's buffers go before the next chunk's come
     chunks.release()
     gh, gw, gb = (None, None, None) if grads is None else grads.result()
     if need[0] and gh is None:
@@ -252,8 +260,12 @@ def reference_loss(
     teacher, ids = _teacher_rows(t, cdt, 0, batch * seq)
     if ids is not None or spec.topk is not None:
         if ids is None:
-            teacher, ids = torch.log_softmax(teacher / spec.temperature, dim=1).topk(spec.topk or 1)
-        loss = topk_reference(spec.logp_clamp, spec.tail, s, teacher, ids)
+            tall, k = torch.log_softmax(teacher / spec.temperature, dim=1), spec.topk or 1
+            teacher, ids = tall.topk(k) if spec.support == "teacher" else support_ids(spec.support, k, s, tall)  # fmt: skip
+        if spec.kind == "forward_kl":
+            loss = topk_reference(spec.logp_clamp, spec.tail, s, teacher, ids)
+        else:
+            loss = support_reference(spec.kind, spec.beta, spec.tail, s, teacher, ids)
     else:
         sf = s.clamp(min=LOGP_FLOOR)
         tf = torch.log_softmax(teacher / spec.temperature, dim=1).clamp(min=LOGP_FLOOR)

@@ -65,7 +65,7 @@ def _verl_terms(
     return Terms(loss, g, smass, tmass)
 
 
-def _outside(s: Tensor, ids: Tensor, inside: Tensor, eager: bool) -> tuple[Tensor, Tensor]:
+def outside_mass(s: Tensor, ids: Tensor, inside: Tensor, eager: bool) -> tuple[Tensor, Tensor]:
     """``L``, the log of the student's mass outside the ids (``-inf`` where there is none),
     and ``r = p_s e^{-L}`` there (0 on the ids; ``s`` overwritten when ``eager``)."""
     drop = torch.zeros(ids.shape, dtype=s.dtype, device=s.device).masked_fill(inside, -math.inf)
@@ -97,7 +97,7 @@ def _tail_terms(tail: str, s: Tensor, tl: Tensor, ids: Tensor, grad: bool, eager
         return Terms(loss, g, smass, tmass)
     f = torch.where(inside & (pt_all > 0), pt_all * (tl - sk), 0.0).sum(dim=1)
     qt = (-torch.expm1(lpt)).clamp(min=0.0)  # 1 - P_t; 0 when P_t >= 1
-    lt, r = _outside(s, ids, inside, eager)
+    lt, r = outside_mass(s, ids, inside, eager)
     loss = f + torch.where(qt > 0, qt * (torch.where(qt > 0, qt, 1.0).log() - lt.clamp(min=LOGP_FLOOR)), 0.0)  # fmt: skip
     if not grad:
         return Terms(loss, None, smass, tmass)

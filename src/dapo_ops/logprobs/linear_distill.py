@@ -31,7 +31,13 @@ from dapo_ops._core._validate import (
     shape_str,
 )
 from dapo_ops.engine.aggregation import check_max_len, check_normalizer
-from dapo_ops.logprobs._distill_checks import _number, check_ids, check_is_weights, check_tail
+from dapo_ops.logprobs._distill_checks import (
+    _number,
+    check_ids,
+    check_is_weights,
+    check_support,
+    check_tail,
+)
 from dapo_ops.logprobs._distill_terms import DistillInputs, DistillSpec, LinearDistill, forward_pass
 from dapo_ops.logprobs._fused_linear import DEFAULT_FUSED_CHUNK_ELEMENTS
 from dapo_ops.logprobs._logprob_checks import auto_chunk, check_options, check_projection
@@ -42,6 +48,7 @@ __all__ = ["DistillDiagnostics", "linear_distill_loss", "linear_distill_loss_wit
 DistillKind = Literal["forward_kl", "reverse_kl", "jsd"]
 DISTILL_KINDS: tuple[str, ...] = ("forward_kl", "reverse_kl", "jsd")
 TopkTail = Literal["none", "bucket", "renormalize"]
+TopkSupport = Literal["teacher", "student", "union"]
 
 
 class DistillOptions(TypedDict, total=False):
@@ -62,6 +69,7 @@ class DistillOptions(TypedDict, total=False):
     softcap: float | None
     is_weights: Tensor | None
     topk_tail: TopkTail
+    topk_support: TopkSupport
 
 
 class DistillDiagnostics(NamedTuple):
@@ -121,8 +129,7 @@ def _prepare(
         ids = check_ids(ids, teacher, valid, vocab, tail != "none")
         if topk is not None and topk != teacher.shape[-1]:
             raise InputError(f"topk must be None or teacher's k = {teacher.shape[-1]} with teacher_ids, got {topk}")  # fmt: skip
-    if on_topk and kind != "forward_kl":
-        raise InputError(f"the top-k loss is verl's forward KL over the teacher's top-k ids: kind='forward_kl' only, got {kind!r}")  # fmt: skip
+    support = check_support(o.get("topk_support", "teacher"), tail, ids is not None, topk)
     if clamp is not None:
         _number("log_prob_min_clamp", clamp, isinstance(clamp, (int, float)) and math.isfinite(clamp) and on_topk,
                 "a finite number (or None) on the top-k path (teacher_ids or topk)")  # fmt: skip
@@ -141,7 +148,7 @@ def _prepare(
     spec = DistillSpec(
         kind, float(beta), float(temperature), topk,
         None if clamp is None else float(clamp), None if loss_clamp is None else float(loss_clamp),
-        mode, max_len, chunk, cap, tail,
+        mode, max_len, chunk, cap, tail, support,
     )  # fmt: skip
     isw = check_is_weights(o.get("is_weights"), valid, h)
     return spec, h, w, b, DistillInputs(teacher.detach(), ids, valid, den, isw)
@@ -181,6 +188,7 @@ def linear_distill_loss(
     softcap: float | None = None,
     is_weights: Float[Tensor, "batch seq"] | None = None,
     topk_tail: TopkTail = "none",
+    topk_support: TopkSupport = "teacher",
 ) -> Float[Tensor, ""]:
     r"""A distillation loss from the student's last hidden states: no logits tensor.
 
@@ -225,6 +233,14 @@ def linear_distill_loss(
     (summed there: exact as :math:`P_s \to 1`; its log floored at -1e4, no gradient
     below, where the student puts no mass off the ids) and :math:`0 \log 0 = 0` when
     :math:`P_t \ge 1`. TRL instead floors :math:`1-P` at about 1e-7 for both models.
+    With a tail ``kind="reverse_kl"`` and ``"jsd"`` (``beta`` as above; TRL's SDFT/SDPO
+    ``distillation_alpha``, async/IW-OPD ``beta``) apply too: the divergence between the
+    two distributions over the ids (and the bucket, :math:`\log(1-P_t)` floored at
+    -1e4). ``topk_support`` (with ``topk=k`` and the teacher's logits) picks the ids in
+    each chunk: ``"teacher"`` its top-k (default), ``"student"`` the student's top-k
+    (TRL's ``compute_topk_self_distillation_loss``), ``"union"`` both (the student's
+    already among the teacher's as padding; IW-OPD's ``top_k`` JSD); constants, no
+    gradient through the choice. Any other support goes as ``teacher_ids``.
 
     Exact: it equals the naive composition (``h @ W.T``, ``log_softmax``, the formulas
     above) and so TRL's ``generalized_jsd_loss`` (``reduction="batchmean"`` with labels:
@@ -264,7 +280,7 @@ def linear_distill_loss(
         "topk": topk, "log_prob_min_clamp": log_prob_min_clamp, "loss_clamp": loss_clamp,
         "bias": bias, "mode": mode, "normalizer": normalizer, "max_len": max_len,
         "chunk_size": chunk_size, "softcap": softcap, "is_weights": is_weights,
-        "topk_tail": topk_tail,
+        "topk_tail": topk_tail, "topk_support": topk_support,
     }  # fmt: skip
     spec, h, w, b, t = _prepare(hidden, weight, teacher, mask, options)
     return _run(spec, h, w, b, t)[0]
