@@ -69,3 +69,13 @@ def topk_ours(x: SimpleNamespace, ids: torch.Tensor, t_k: torch.Tensor, valid: t
     kw = {"teacher_ids": ids.clamp_min(0), "bias": bias, "temperature": temperature}
     tail = "bucket" if add_tail else "renormalize"
     return d.linear_distill_loss(x.hidden, weight, t_in, sel, chunk_size=4, topk_tail=tail, **kw, **agg)  # fmt: skip
+
+
+def trl_floor_binds(s: torch.Tensor, t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``[batch, seq]``: where TRL's tail bucket floors ``1 - P`` (its ``log P`` clamped at
+    -1e-7) for either model, ``s``, ``t`` the log-softmaxes, ``ids`` the support
+    (repeats counted once). dapo_ops keeps the exact tail there, a documented difference:
+    the peer tests compare the other positions."""
+    hit = torch.zeros_like(s, dtype=torch.bool).scatter(-1, ids, True)
+    mass = [torch.where(hit, x.detach(), -torch.inf).logsumexp(-1) for x in (s, t)]
+    return (mass[0] > -1e-7) | (mass[1] > -1e-7)

@@ -10,8 +10,11 @@
 - ``ServerDistillationTrainer._compute_server_forward_kl_loss`` (``beta=0``, padded
   candidates as ``-inf``, ``batchmean`` over the labelled tokens): the same, float64.
 
-``beta > 0`` narrows the support to {the teacher's argmax, the sampled token}
-(``_narrow_top1_actual_support``): dapo_ops has no loss over such a support.
+- ``beta > 0`` (``_chunked_jsd_loss`` over the support {the teacher's argmax, the sampled
+  token} of ``_narrow_top1_actual_support``, the token alone at ``beta=1``):
+  ``linear_distill_loss(..., teacher_ids=ids, kind="jsd" | "reverse_kl", topk_tail=...)``
+  with the repeats and missing candidates as ``-inf`` padding: value and gradient, float32
+  rounding.
 """
 
 from __future__ import annotations
@@ -75,6 +78,31 @@ def test_async_chunked_jsd_loss(
     torch.testing.assert_close(jsd_sum.double(), got.detach(), **F32)
     entropy = d.token_entropy(logits.detach(), temperature=temperature)
     torch.testing.assert_close(entropy[sel].sum(), entropy_sum.double(), **F32)
+
+
+@pytest.mark.parametrize(("k", "temperature", "add_tail"), TOPK)
+@pytest.mark.parametrize("beta", [0.3, 0.5, 1.0])
+def test_async_narrow_support(k: int, temperature: float, add_tail: bool, beta: float) -> None:
+    """``beta > 0``: the support {the teacher's argmax, the sampled token} (the token alone at
+    ``beta=1``; a repeat or a token outside the candidates is padding) built by
+    ``_narrow_top1_actual_support``, passed as ``teacher_ids`` with ``-inf`` padding."""
+    x = batch(70 + k + 2 * add_tail + int(10 * beta))
+    logits = x.hidden @ x.weight.T
+    x.teacher = 1.5 * logits.detach() + 2 * torch.randn(logits.shape, generator=x.g, dtype=torch.float64)  # fmt: skip
+    ids, t_k, valid = teacher_topk(x, k, temperature, pad=True)
+    t_all = torch.log_softmax(x.teacher / temperature, -1)
+    tok = torch.where(torch.rand(x.tokens.shape, generator=x.g) < 0.3, ids[..., 0], x.tokens)
+    wide = (torch.cat([ids, tok[..., None]], -1), torch.cat([t_k, t_all.gather(-1, tok[..., None])], -1),
+            torch.cat([valid, torch.rand(tok.shape, generator=x.g)[..., None] < 0.8], -1))  # fmt: skip
+    n_ids, n_logp, n_valid = ad._narrow_top1_actual_support(*wide[:2], tok, wide[2], beta)
+    sel = x.mask
+    want = ad._chunked_jsd_loss(
+        x.hidden[sel], x.weight, None, 1.0, None, torch.where(n_valid, n_ids, -1)[sel],
+        n_logp[sel], n_valid[sel], beta, temperature, add_tail, None, 1, 4,
+    )[0]  # fmt: skip
+    kind = {"kind": "reverse_kl"} if beta == 1.0 else {"kind": "jsd", "beta": beta}
+    got = topk_ours(x, n_ids, n_logp, n_valid, sel, temperature, add_tail, normalizer=1.0, **kind)
+    same(got, want, (x.hidden, x.weight), F32)
 
 
 @pytest.mark.parametrize(("k", "temperature", "add_tail"), TOPK)

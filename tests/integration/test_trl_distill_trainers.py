@@ -10,9 +10,10 @@
 - ``GOLDTrainer.generalized_jsd_loss`` and ``IWOPDTrainer.generalized_jsd_loss`` (full
   vocabulary): ``linear_distill_loss``, every ``beta``, temperature and reduction, GOLD's
   ``logits_are_probs``, fully masked batches: value and gradient, float64.
-- ``IWOPDTrainer.generalized_jsd_loss`` with ``top_k`` (``beta=0``: the teacher's top-k):
-  ``linear_distill_loss(..., topk=k, topk_tail="bucket" | "renormalize")``, three
-  reductions: value and gradient everywhere, float64.
+- ``IWOPDTrainer.generalized_jsd_loss`` with ``top_k``, every ``beta`` (the support: the
+  teacher's top-k at ``beta=0``, the student's at 1, both between):
+  ``linear_distill_loss(..., topk=k, topk_support=..., topk_tail="bucket" |
+  "renormalize")``, three reductions: value and gradient everywhere, float64.
 - ``IWOPDTrainer._compute_iw_opd_loss``: ``policy_loss(PolicyGradient(), ...)`` with
   ``distill_advantages`` (``k1``, unclamped) and TRL's prefix weights as ``is_weights``
   (the weights themselves are computed here: dapo_ops has no function for them), every
@@ -34,6 +35,8 @@ pytest.importorskip("PIL")
 dt = pytest.importorskip("trl.trainer.distillation_trainer")
 gold = pytest.importorskip("trl.experimental.gold.gold_trainer")
 iw = pytest.importorskip("trl.experimental.iw_opd.iw_opd_trainer")
+
+from _self_distill_common import trl_floor_binds  # noqa: E402
 
 import dapo_ops as d  # noqa: E402
 
@@ -221,17 +224,28 @@ def test_generalized_jsd_loss_fully_masked(trainer: str, beta: float, reduction:
 @pytest.mark.parametrize(("k", "temperature"), list(itertools.product([1, 3, 8], [1.0, 0.7])))
 @pytest.mark.parametrize("add_tail", [True, False])
 @pytest.mark.parametrize("reduction", ["batchmean", "sum", "num_items"])
-def test_iw_opd_topk_forward_kl(k: int, temperature: float, add_tail: bool, reduction: str) -> None:
-    """beta=0, the teacher's top-k ids: TRL's loss is ``linear_distill_loss(..., topk=k,
+@pytest.mark.parametrize("beta", [0.0, 0.3, 0.5, 1.0])
+def test_iw_opd_topk(
+    k: int, temperature: float, add_tail: bool, reduction: str, beta: float
+) -> None:
+    """TRL's support: beta=0 the teacher's top-k ids, beta=1 the student's, else both:
+    ``linear_distill_loss(..., topk=k, topk_support="teacher" | "student" | "union",
     topk_tail="bucket")`` (``add_tail=True``) or ``"renormalize"``: value and gradient at
     every position, float64."""
-    x = _batch(20 + k + 3 * add_tail + len(reduction))
+    x = _batch(20 + k + 3 * add_tail + len(reduction) + int(10 * beta))
+    if add_tail:  # TRL floors 1 - P at about 1e-7: compare where it does not bind
+        s, t = (torch.log_softmax(z / temperature, -1) for z in (x.hidden @ x.weight.T, x.teacher))
+        sup = [t.topk(k, -1).indices, s.detach().topk(k, -1).indices]
+        ids = {0.0: sup[0], 1.0: sup[1]}.get(beta, torch.cat(sup, -1))
+        x.mask = x.mask & ~trl_floor_binds(s, t, ids)
+        assert x.mask.sum() >= 5
     want = iw.IWOPDTrainer.generalized_jsd_loss(
-        x.hidden @ x.weight.T, x.teacher, beta=0.0, temperature=temperature, top_k=k,
+        x.hidden @ x.weight.T, x.teacher, beta=beta, temperature=temperature, top_k=k,
         add_tail=add_tail, **_trl_kw(x, reduction),
     )  # fmt: skip
     tail = "bucket" if add_tail else "renormalize"
-    got, _ = _ours_full(x, 0.0, temperature, reduction, topk=k, topk_tail=tail)
+    support = {0.0: "teacher", 1.0: "student"}.get(beta, "union")
+    got, _ = _ours_full(x, beta, temperature, reduction, topk=k, topk_tail=tail, topk_support=support)  # fmt: skip
     _same_loss_and_grads(got, want, x)
 
 

@@ -18,11 +18,13 @@ code in both modules, both compared):
 - ``SDPOTrainer.compute_loss``: ``(1 - w) * policy + w * distillation``,
   ``_compute_policy_loss`` as ``trl_policy_loss`` for every ``loss_type``, token and
   sequence level, ``distillation_weight`` 0, 0.3 and 1: value and gradient, float64.
-- The top-k loss with ``alpha=0`` (tail bucket or renormalised), on the student's top-k
-  (``compute_topk_self_distillation_loss``) and on the teacher's
+- The top-k loss on the student's top-k (``compute_topk_self_distillation_loss``), every
+  ``alpha``, tail bucket or renormalised: ``linear_distill_loss(..., topk=k,
+  topk_support="student", topk_tail="bucket" | "renormalize")`` (at ``alpha=0`` also the
+  ids as ``teacher_ids``), value and gradient, float64, the positions where TRL floors
+  ``1 - P`` at about 1e-7 left out; on the teacher's top-k with ``alpha=0``
   (``SDFTTrainer._compute_server_distillation_loss``, ``num_loss_tokens_to_skip``):
-  ``linear_distill_loss(..., teacher_ids=ids, topk_tail="bucket" | "renormalize")``,
-  value and gradient everywhere, float64. With ``alpha > 0`` dapo_ops has no top-k loss.
+  ``teacher_ids=ids``, value and gradient everywhere, float64.
 """
 
 from __future__ import annotations
@@ -40,11 +42,13 @@ LOSS_UTILS = {m: pytest.importorskip(f"trl.experimental.{m}.loss_utils") for m i
 TRAINERS = {m: pytest.importorskip(f"trl.experimental.{m}.{m}_trainer") for m in ("sdft", "sdpo")}
 
 from _self_distill_common import (  # noqa: E402
+    TOL,
     TOPK,
     batch,
     same,
     teacher_topk,
     topk_ours,
+    trl_floor_binds,
 )
 
 import dapo_ops as d  # noqa: E402
@@ -186,22 +190,44 @@ def test_sdpo_compute_loss(loss_type: str, level: str, weight: float) -> None:
 
 @pytest.mark.parametrize(("k", "temperature", "add_tail"), TOPK)
 @pytest.mark.parametrize("trainer", ["sdft", "sdpo"])
+@pytest.mark.parametrize("alpha", ALPHAS)
 def test_topk_on_the_students_support(
-    k: int, temperature: float, add_tail: bool, trainer: str
+    k: int, temperature: float, add_tail: bool, trainer: str, alpha: float
 ) -> None:
-    x = batch(30 + k)
+    """``topk_support="student"`` (and, at ``alpha=0``, the student's ids passed as
+    ``teacher_ids``); with the bucket, where TRL's floor of ``1 - P`` binds is left out."""
+    x = batch(30 + k + int(8 * alpha))
     logits = x.hidden @ x.weight.T
     noise = torch.randn(logits.shape, generator=x.g, dtype=torch.float64)
     x.teacher = 2 * logits.detach() + noise  # sharper on the student's likely tokens
     ids = torch.topk(logits.detach(), k, dim=-1).indices  # the student's top-k
-    t_k = torch.log_softmax(x.teacher / temperature, -1).gather(-1, ids)
+    t_all = torch.log_softmax(x.teacher / temperature, -1)
+    t_k = t_all.gather(-1, ids)
+    if add_tail:
+        s_all = torch.log_softmax(logits / temperature, -1)
+        x.mask = x.mask & ~trl_floor_binds(s_all, t_all, ids)
+        assert x.mask.sum() >= 5
     valid = torch.ones_like(ids, dtype=torch.bool)
-    per_token = LOSS_UTILS[trainer].compute_topk_self_distillation_loss(
-        logits / temperature, x.teacher / temperature, distillation_topk=k,
-        distillation_alpha=0.0, distillation_add_tail=add_tail,
+
+    def want() -> torch.Tensor:
+        per_token = LOSS_UTILS[trainer].compute_topk_self_distillation_loss(
+            x.hidden @ x.weight.T / temperature, x.teacher / temperature, distillation_topk=k,
+            distillation_alpha=alpha, distillation_add_tail=add_tail,
+        )  # fmt: skip
+        return per_token[x.mask].sum()
+
+    if alpha == 0.0:
+        ours = topk_ours(x, ids, t_k, valid, x.mask, temperature, add_tail, normalizer=1.0)
+        same(ours, want(), (x.hidden, x.weight))
+    got = d.linear_distill_loss(
+        x.hidden, x.weight, x.teacher, x.mask, topk=k, topk_support="student",
+        topk_tail="bucket" if add_tail else "renormalize", temperature=temperature,
+        normalizer=1.0, chunk_size=4, **_kind(alpha),
     )  # fmt: skip
-    ours = topk_ours(x, ids, t_k, valid, x.mask, temperature, add_tail, normalizer=1.0)
-    same(ours, per_token[x.mask].sum(), (x.hidden, x.weight))
+    # alpha > 0 weighs the student's bucket log(1 - P_s): TRL forms 1 - P_s as 1 - sum,
+    # which cancels to about 1e-16 / (1 - P_s) relative; dapo_ops sums the mass off the ids
+    tol = {"rtol": 1e-9, "atol": 1e-10} if add_tail and alpha > 0 else TOL
+    same(got, want(), (x.hidden, x.weight), tol)
 
 
 @pytest.mark.parametrize(("k", "temperature", "add_tail"), TOPK)
