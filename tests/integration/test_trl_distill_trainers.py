@@ -249,6 +249,40 @@ def test_iw_opd_topk(
     _same_loss_and_grads(got, want, x)
 
 
+@pytest.mark.parametrize(("beta", "temperature"), list(itertools.product([0.3, 1.0], [1.0, 0.7])))
+@pytest.mark.parametrize("add_tail", [True, False])
+@pytest.mark.parametrize("mode", ["argmax", "sampled"])
+def test_iw_opd_sparse_top_1(beta: float, temperature: float, add_tail: bool, mode: str) -> None:
+    """``_compute_local_sparse_top_1_divergence_loss``: the support {the teacher's argmax,
+    the student's argmax} is ``topk=1, topk_support="union"`` (the student's alone at
+    ``beta=1``: ``"student"``); {the teacher's argmax, the sampled token} goes as
+    ``teacher_ids`` with the repeat as ``-inf`` padding. Float64 value and gradient."""
+    x = _batch(90 + int(10 * beta) + 2 * add_tail + len(mode))
+    tokens = torch.randint(0, x.v, x.mask.shape, generator=x.g)
+    cls = iw.IWOPDTrainer
+    owner = SimpleNamespace(beta=beta, loss_add_tail=add_tail, temperature=temperature,
+                            reverse_kl_top_1_mode=mode, _reduce_divergence_loss=cls._reduce_divergence_loss)  # fmt: skip
+    owner._get_reverse_kl_top_1_tokens = lambda s, c: cls._get_reverse_kl_top_1_tokens(owner, s, c)
+    owner._compute_sparse_top_1_divergence_loss = lambda **kw: cls._compute_sparse_top_1_divergence_loss(owner, **kw)  # fmt: skip
+    want = cls._compute_local_sparse_top_1_divergence_loss(
+        owner, x.hidden @ x.weight.T, x.teacher, tokens, torch.where(x.mask, 1, -100)
+    )  # fmt: skip
+    tail = "bucket" if add_tail else "renormalize"
+    if mode == "argmax":
+        support = "student" if beta == 1.0 else "union"
+        got, _ = _ours_full(x, beta, temperature, "batchmean", topk=1, topk_tail=tail, topk_support=support)  # fmt: skip
+    else:
+        t_all = torch.log_softmax(x.teacher / temperature, -1)
+        top = x.teacher.argmax(-1)
+        ids = tokens[..., None] if beta == 1.0 else torch.stack([top, tokens], -1)
+        tl = t_all.gather(-1, ids)
+        if beta != 1.0:
+            tl[..., 1] = torch.where(tokens == top, -torch.inf, tl[..., 1])
+        kw: dict[str, Any] = {"teacher_ids": ids, "topk_tail": tail, "temperature": temperature, **_kind(beta)}  # fmt: skip
+        got = d.linear_distill_loss(x.hidden, x.weight, tl, x.mask, chunk_size=5, **kw)
+    _same_loss_and_grads(got, want, x)
+
+
 # --------------------------------------------------------- IW-OPD's sampled-token objective
 
 
