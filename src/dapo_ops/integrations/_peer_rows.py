@@ -165,9 +165,12 @@ ROWS: list[Row] = [
         ("IWOPDTrainer.generalized_jsd_loss",), note=f"compared in {_TD}: add_tail True and "
         "False, three reductions, float64 value and gradient at every token"),
     Row(_DIST, "top-k support chosen by the student or both, sparse top-1 (IW-OPD beta > 0)",
-        "", ("IWOPDTrainer.generalized_jsd_loss", "_compute_sparse_top_1_divergence_loss"),
-        note="a divergence over the student's top-k or the union with the teacher's (or "
-        "{teacher's argmax, sampled token}) plus a tail bucket: no dapo_ops loss has it"),
+        'linear_distill_loss(..., topk=k, topk_support="student" or "union", kind="jsd", '
+        'topk_tail=...)', ("IWOPDTrainer.generalized_jsd_loss",
+        "_compute_local_sparse_top_1_divergence_loss"), note=f"compared in {_TD}: every beta, "
+        "both tails, float64 value and gradient; sparse top-1: topk=1 (argmax mode) or "
+        "{teacher's argmax, sampled token} as teacher_ids; where TRL floors 1 - P at 1e-7 "
+        "dapo_ops keeps the exact tail (those positions left out)"),
     Row(_DIST, "IW-OPD: sampled-token teacher advantage, prefix-weighted", "distill_advantages; "
         'TeacherKL(estimator="k1", clamp=None, log_ratio_clamp=None); PolicyGradient; '
         "iw_opd_weights; policy_loss(..., is_weights=w)", ("IWOPDTrainer._compute_iw_opd_loss",),
@@ -199,10 +202,11 @@ ROWS: list[Row] = [
         "_chunked_jsd_loss"), note="ids the student's or the teacher's top-k "
         f"(padding: a -inf log-prob); compared in {_TS}, {_TA} (async: float32)"),
     Row(_DIST, "reverse KL or JSD over a top-k support (SDFT/SDPO alpha > 0, async beta > 0)",
-        "", ("compute_topk_self_distillation_loss", "_narrow_top1_actual_support"),
-        note="alpha KL(q_t, m) + (1 - alpha) KL(q_s, m), m = alpha q_t + (1 - alpha) q_s, q "
-        "the top-k probabilities renormalised or with a tail bucket, on the student's top-k or "
-        "{teacher's argmax, sampled token}: no dapo_ops loss has it"),
+        'linear_distill_loss(..., kind="jsd" or "reverse_kl", topk_tail=..., '
+        'topk=k, topk_support="student" or teacher_ids=ids)', ("compute_topk_self_distillation_loss",
+        "_narrow_top1_actual_support", "_chunked_jsd_loss"), note="alpha (beta) is beta, 1 is "
+        f"reverse_kl; compared in {_TS} (float64) and {_TA} ({{teacher's argmax, sampled "
+        "token} as teacher_ids, float32), value and gradient"),
     Row(_DIST, "ULD: L1 between sorted probabilities across tokenizers (GOLD use_uld_loss)", "",
         ("ULDLoss",), note="cross-tokenizer alignment and a sorted-probability L1: no dapo_ops "
         "loss has it"),
