@@ -77,8 +77,9 @@ class DistillDiagnostics(NamedTuple):
     seq]`` in the compute dtype: ``per_token`` each token's loss after the clamps, not
     weighted by ``is_weights`` (0 at masked positions: TRL's ``reduction="none"`` summed
     over the vocabulary, verl's ``distillation_losses``); on the top-k path
-    ``student_mass`` and ``teacher_mass``, the probability either puts on the teacher's
-    top-k ids (verl's metrics; with ``topk_tail``, padding slots left out), else None."""
+    ``student_mass`` and ``teacher_mass``, the probability either puts on the ids (the
+    teacher's top-k, verl's metrics, or the ``topk_support`` chosen; with ``topk_tail``,
+    padding slots left out), else None."""
 
     per_token: Float[Tensor, "batch seq"]
     student_mass: Float[Tensor, "batch seq"] | None
