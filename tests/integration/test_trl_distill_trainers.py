@@ -36,7 +36,7 @@ dt = pytest.importorskip("trl.trainer.distillation_trainer")
 gold = pytest.importorskip("trl.experimental.gold.gold_trainer")
 iw = pytest.importorskip("trl.experimental.iw_opd.iw_opd_trainer")
 
-from _self_distill_common import trl_floor_binds  # noqa: E402
+from _self_distill_common import batch, trl_floor_binds  # noqa: E402
 
 import dapo_ops as d  # noqa: E402
 
@@ -51,17 +51,6 @@ REDUCTIONS = ["batchmean", "sum", "mean", "none", "num_items"]
 def _kind(beta: float) -> dict[str, Any]:
     kind = {0.0: "forward_kl", 1.0: "reverse_kl"}.get(beta, "jsd")
     return {"kind": kind, **({"beta": beta} if kind == "jsd" else {})}
-
-
-def _batch(seed: int, b: int = 3, s: int = 6, dim: int = 7, v: int = 29) -> SimpleNamespace:
-    """Student leaves (hidden, weight), teacher logits, a mask with one fully masked row."""
-    g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(b, s, dim, generator=g, dtype=torch.float64).requires_grad_(True)
-    weight = torch.randn(v, dim, generator=g, dtype=torch.float64).requires_grad_(True)
-    teacher = 3 * torch.randn(b, s, v, generator=g, dtype=torch.float64)
-    mask = torch.rand(b, s, generator=g) < 0.7
-    mask[0], mask[-1] = True, False
-    return SimpleNamespace(hidden=hidden, weight=weight, teacher=teacher, mask=mask, v=v, g=g)
 
 
 def _grads(loss: torch.Tensor, x: SimpleNamespace) -> tuple[torch.Tensor, ...]:
@@ -94,7 +83,7 @@ def test_distillation_trainer_chunked_divergence(
     scale: float,
     softcap: float | None,
 ) -> None:
-    x = _batch(int(beta * 8) + (items or 0))
+    x = batch(int(beta * 8) + (items or 0))
     th = torch.randn(3, 6, 5, generator=x.g, dtype=torch.float64)  # another hidden width
     tw = torch.randn(x.v, 5, generator=x.g, dtype=torch.float64)
     sb = torch.randn(x.v, generator=x.g, dtype=torch.float64).requires_grad_(with_bias)
@@ -128,8 +117,8 @@ def test_distillation_trainer_chunked_divergence(
 
 @pytest.mark.parametrize("beta", BETAS)
 @pytest.mark.parametrize("items", [None, 4])
-def test_distillation_trainer_fully_masked_batch(beta: float, items: int | None) -> None:
-    x = _batch(3)
+def test_distillation_trainer_fully_maskedbatch(beta: float, items: int | None) -> None:
+    x = batch(3)
     none = torch.zeros_like(x.mask)
     tw = torch.randn(x.v, 7, generator=x.g, dtype=torch.float64)
     want, _, n = dt._chunked_divergence_loss(
@@ -173,7 +162,7 @@ TRAINERS = {"gold": lambda: gold.GOLDTrainer, "iw_opd": lambda: iw.IWOPDTrainer}
 def test_generalized_jsd_loss(
     trainer: str, beta: float, temperature: float, reduction: str
 ) -> None:
-    x = _batch(int(beta * 8) + len(reduction))
+    x = batch(int(beta * 8) + len(reduction))
     extra = {"top_k": x.v} if trainer == "iw_opd" and beta == 0.25 else {}  # k = vocab: full
     want = TRAINERS[trainer]().generalized_jsd_loss(
         x.hidden @ x.weight.T, x.teacher, beta=beta, temperature=temperature,
@@ -189,7 +178,7 @@ def test_generalized_jsd_loss(
 @pytest.mark.parametrize("beta", BETAS)
 def test_gold_logits_are_probs(beta: float) -> None:
     """GOLD's probabilities in: log(max(p, 1e-8)), no temperature; ours from the logits."""
-    x = _batch(7)
+    x = batch(7)
     x.hidden = (0.3 * x.hidden).detach().requires_grad_(True)  # no probability below 1e-8
     t_probs = torch.softmax(x.teacher, -1)
     assert (
@@ -208,7 +197,7 @@ def test_gold_logits_are_probs(beta: float) -> None:
 @pytest.mark.parametrize("beta", BETAS)
 @pytest.mark.parametrize("reduction", ["batchmean", "sum", "num_items"])
 def test_generalized_jsd_loss_fully_masked(trainer: str, beta: float, reduction: str) -> None:
-    x = _batch(11)
+    x = batch(11)
     x.mask = torch.zeros_like(x.mask)
     want = TRAINERS[trainer]().generalized_jsd_loss(
         x.hidden @ x.weight.T, x.teacher, beta=beta, **_trl_kw(x, reduction)
@@ -232,7 +221,7 @@ def test_iw_opd_topk(
     ``linear_distill_loss(..., topk=k, topk_support="teacher" | "student" | "union",
     topk_tail="bucket")`` (``add_tail=True``) or ``"renormalize"``: value and gradient at
     every position, float64."""
-    x = _batch(20 + k + 3 * add_tail + len(reduction) + int(10 * beta))
+    x = batch(20 + k + 3 * add_tail + len(reduction) + int(10 * beta))
     if add_tail:  # TRL floors 1 - P at about 1e-7: compare where it does not bind
         s, t = (torch.log_softmax(z / temperature, -1) for z in (x.hidden @ x.weight.T, x.teacher))
         sup = [t.topk(k, -1).indices, s.detach().topk(k, -1).indices]
@@ -257,7 +246,7 @@ def test_iw_opd_sparse_top_1(beta: float, temperature: float, add_tail: bool, mo
     the student's argmax} is ``topk=1, topk_support="union"`` (the student's alone at
     ``beta=1``: ``"student"``); {the teacher's argmax, the sampled token} goes as
     ``teacher_ids`` with the repeat as ``-inf`` padding. Float64 value and gradient."""
-    x = _batch(90 + int(10 * beta) + 2 * add_tail + len(mode))
+    x = batch(90 + int(10 * beta) + 2 * add_tail + len(mode))
     tokens = torch.randint(0, x.v, x.mask.shape, generator=x.g)
     cls = iw.IWOPDTrainer
     owner = SimpleNamespace(beta=beta, loss_add_tail=add_tail, temperature=temperature,
@@ -292,7 +281,7 @@ def test_iw_opd_sparse_top_1(beta: float, temperature: float, add_tail: bool, mo
 @pytest.mark.parametrize("items", [None, 11])
 @pytest.mark.parametrize("rollout", [False, True])
 def test_iw_opd_loss(gamma: float, temperature: float, items: int | None, rollout: bool) -> None:
-    x = _batch(int(gamma * 4) + (items or 0) + rollout, s=7)
+    x = batch(int(gamma * 4) + (items or 0) + rollout, s=7)
     tokens = torch.randint(0, x.v, x.mask.shape, generator=x.g)
     logits = (x.hidden @ x.weight.T).detach().requires_grad_(True)
     t_logp = torch.log_softmax(x.teacher, -1).gather(-1, tokens[..., None])[..., 0]
