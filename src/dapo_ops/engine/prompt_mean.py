@@ -22,7 +22,7 @@ from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
 from dapo_ops._core._checked import checks_values
-from dapo_ops._core._groups import check_groups, segment_index
+from dapo_ops._core._groups import check_groups, group_each, group_sum, groups_of
 from dapo_ops._core._rules import Normalizer, compute_dtype, masked
 from dapo_ops._core._validate import (
     InputError,
@@ -83,13 +83,13 @@ def prompt_mean_weights(
     if dtype not in (torch.float32, torch.float64):
         raise InputError(f"dtype must be torch.float32 or torch.float64, got {dtype!r}")
     den = normalizer_tensor(num_prompts, dtype, valid.device, "num_prompts")
-    index, slots = segment_index(group_ids)
     tokens = valid.sum(dim=-1).to(dtype)
-    per_prompt = tokens.new_zeros(slots).index_add_(0, index, tokens)
+    groups = groups_of(tokens, group_ids)
+    per_prompt = group_sum(groups, tokens)
     if den is None:
         den = (per_prompt > 0).sum().to(dtype)
     one = torch.ones((), dtype=dtype, device=valid.device)
-    prompt_tokens = per_prompt.index_select(0, index)
+    (prompt_tokens,) = group_each(groups, per_prompt)
     live = prompt_tokens > 0  # the rows of a prompt with a valid token
     share = one / (torch.where(den == 0, one, den) * torch.where(live, prompt_tokens, one))
     weights = torch.where(live, share, torch.zeros((), dtype=dtype, device=valid.device))
