@@ -10,6 +10,7 @@ from torch import Tensor
 
 from dapo_ops._core._validate import (
     InputError,
+    check_option,
     check_same_device,
     check_tensor,
     is_compiling,
@@ -67,8 +68,8 @@ def check_ids(ids: object, teacher: Tensor, valid: Tensor, vocab: int, distinct:
 def check_tail(tail: object, on_topk: bool, kind: str, clamp: object) -> str:
     """``topk_tail``: one of :data:`TOPK_TAILS`; a tail term only on the top-k path and
     without verl's ``log_prob_min_clamp``; the reverse KL and JSD there need one."""
-    if not isinstance(tail, str) or tail not in TOPK_TAILS:
-        raise InputError(f"topk_tail must be one of {TOPK_TAILS}; got {tail!r}")
+    check_option("topk_tail", tail, TOPK_TAILS)  # type: ignore[arg-type]
+    assert isinstance(tail, str)
     if tail != "none" and not on_topk:
         raise InputError(
             f"topk_tail={tail!r} completes a divergence over top-k ids: with teacher_ids "
@@ -92,8 +93,8 @@ def check_tail(tail: object, on_topk: bool, kind: str, clamp: object) -> str:
 def check_support(support: object, tail: str, has_ids: bool, topk: object) -> str:
     """``topk_support``: one of :data:`TOPK_SUPPORTS`; other than ``"teacher"`` only with
     ``topk`` over the teacher's logits and a tail term."""
-    if not isinstance(support, str) or support not in TOPK_SUPPORTS:
-        raise InputError(f"topk_support must be one of {TOPK_SUPPORTS}; got {support!r}")
+    check_option("topk_support", support, TOPK_SUPPORTS)  # type: ignore[arg-type]
+    assert isinstance(support, str)
     if support != "teacher" and (has_ids or topk is None or tail == "none"):
         raise InputError(
             f"topk_support={support!r} picks the ids from the student's logits in each "

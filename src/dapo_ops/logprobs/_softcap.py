@@ -17,27 +17,25 @@ token (as in the model).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from dapo_ops._core._validate import InputError
+from dapo_ops._core._validate import InputError, check_real
 
 
 def check_softcap(softcap: object) -> float | None:
     """``softcap`` as a float, or None (off); ``InputError`` unless finite and > 0."""
     if softcap is None:
         return None
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+    cap = check_real("softcap", softcap)
+    if not cap > 0:
         raise InputError(
             f"softcap must be None or a finite number > 0 (the model's "
-            f"final_logit_softcapping, e.g. 30.0); got {type(softcap).__name__} {softcap!r}"
+            f"final_logit_softcapping, e.g. 30.0); got {softcap!r}"
         )
-    if not (math.isfinite(softcap) and softcap > 0):
-        raise InputError(f"softcap must be None or a finite number > 0, got {softcap!r}")
-    return float(softcap)
+    return cap
 
 
 def capped(z: Tensor, softcap: float) -> tuple[Tensor, Tensor]:
