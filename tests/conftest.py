@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import jaxtyping
 import pytest
@@ -120,3 +121,26 @@ def _unwrap_dataclass_inits() -> None:
 
 
 _unwrap_dataclass_inits()
+
+
+@pytest.fixture
+def triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """``TRITON_INTERPRET=1`` for one test only (kernel modules are loaded once per mode by
+    ``dapo_ops._core._triton.load_kernels``; Triton itself may have been imported in
+    either). Triton 3.6's interpreter reads a scalar loop bound with ``int()`` of a
+    1-element array, which NumPy 2.4 refuses: here it reads the single element instead
+    (Triton fixed it in a later release). NumPy's warning for ``0 * -inf`` in a branch
+    ``tl.where`` discards is silenced."""
+    import numpy as np
+    from triton.runtime import interpreter as interp
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    original = interp._patch_lang_tensor
+
+    def patch(tensor: Any, scope: Any) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda x: int(x.handle.data.reshape(-1)[0]))
+
+    monkeypatch.setattr(interp, "_patch_lang_tensor", patch)
+    with np.errstate(invalid="ignore"):
+        yield

@@ -33,6 +33,7 @@ from test_linear_loss import (
 from torch import Tensor
 
 import dapo_ops as d
+from dapo_ops.engine._triton_loss import OBJECTIVES as TRITON_OBJECTIVES
 from dapo_ops.objectives import OBJECTIVES
 from dapo_ops.testing import Batch, make_batch, reference_with_bounds
 
@@ -123,6 +124,42 @@ def test_compiled_within_the_float64_bounds(cls: type) -> None:
         loss, grad = loss_and_grad(fn, g.logp)
         assert_within(loss.cpu(), ref.loss, ref.loss_err, f"{objective!r} {what} loss")
         assert_within(grad.cpu(), ref.grad, ref.grad_err, f"{objective!r} {what} gradient")
+
+
+@CUDA
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("cls", list(TRITON_OBJECTIVES), ids=lambda c: c.__name__)
+def test_triton_loss_within_the_float64_bounds(cls: type, mode: str) -> None:
+    """``CompiledPolicyLoss(backend="triton")`` (one kernel forward, one backward) with KL
+    and IS weights, float32 on the GPU: within the float64 reference's bounds; bfloat16
+    inputs: a float32 loss and a bfloat16 gradient; the same bits on a second call and
+    the ticket counter back at 0."""
+    objective = cls()
+    b = make_batch(objective, 7, 4133, seed=9, dtype=torch.float32)  # 3 chunks, ragged
+    opts = extras(b, True)
+    ref = reference_with_bounds(objective, b, mode=mode, **opts)
+    g, dev_opts = on(DEV, b), to(DEV, opts)
+    run = d.CompiledPolicyLoss(objective, mode=mode, kl=opts["kl"], backend="triton")  # type: ignore[arg-type]
+    tensors = {k: dev_opts[k] for k in ("ref_logp", "is_weights")}
+    loss, grad = loss_and_grad(lambda lp: run(lp, *g[1:], **tensors), g.logp)
+    assert_within(loss.cpu(), ref.loss, ref.loss_err, f"{objective!r} {mode} triton loss")
+    assert_within(grad.cpu(), ref.grad, ref.grad_err, f"{objective!r} {mode} triton gradient")
+    again = loss_and_grad(lambda lp: run(lp, *g[1:], **tensors), g.logp)
+    assert torch.equal(again[0], loss) and torch.equal(again[1], grad)
+    (kernel,) = run.cache.values()
+    assert all(int(c) == 0 for c in kernel.counters.values())
+    low = {k: v.bfloat16() for k, v in tensors.items()}
+    loss16, grad16 = loss_and_grad(
+        lambda lp: run(lp, g.old_logp.bfloat16(), g.advantages, g.mask, **low), g.logp.bfloat16()
+    )
+    assert loss16.dtype == torch.float32 and grad16.dtype == torch.bfloat16
+    up = {k: v.float() for k, v in low.items()}
+    want = loss_and_grad(
+        lambda lp: run(lp, g.old_logp.bfloat16().float(), g.advantages, g.mask, **up),
+        g.logp.bfloat16().float(),
+    )
+    assert torch.allclose(loss16, want[0], rtol=1e-5, atol=1e-7)
+    assert torch.allclose(grad16.float(), want[1], rtol=2**-8, atol=1e-12)
 
 
 @CUDA
@@ -235,6 +272,7 @@ def _no_sync_calls(b: Batch) -> dict[str, Callable[[], object]]:
     logp = b.logp.detach().requires_grad_(True)
     opts = to(DEV, extras(b, True))
     ent = torch.rand_like(b.logp) * 3
+    triton_loss = d.CompiledPolicyLoss(d.ClipHigher(), kl=opts["kl"], backend="triton")
     calls: dict[str, Callable[[], object]] = {
         f"policy_loss({cls.__name__}(), KL, IS) fwd+bwd": lambda cls=cls: d.policy_loss(
             cls(), logp, *b[1:], **opts
@@ -259,6 +297,9 @@ def _no_sync_calls(b: Batch) -> dict[str, Callable[[], object]]:
         "entropy_bonus": lambda: d.entropy_bonus(ent, b.mask, coef=0.01),
         "m2po_mask": lambda: d.m2po_mask(b.old_logp, b.logp.detach(), b.mask, threshold=0.04),
         "truncation_penalty": lambda: d.truncation_penalty(b.advantages, b.mask[:, 0], coef=0.5),
+        "CompiledPolicyLoss(backend='triton') fwd+bwd": lambda: triton_loss(
+            logp, *b[1:], ref_logp=opts["ref_logp"], is_weights=opts["is_weights"]
+        ).backward(),
     }
     return calls
 

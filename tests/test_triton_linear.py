@@ -12,7 +12,6 @@ float64 too); float32 and bfloat16 within the derived bounds of
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -44,31 +43,8 @@ TRITON = {"backend": "triton"}
 
 
 @pytest.fixture(autouse=True)
-def interpreter(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """``TRITON_INTERPRET=1`` for this test only (the kernels' module is loaded in that
-    mode by ``dapo_ops.logprobs._triton_linear.kernels``; Triton itself may have been imported in
-    either). Triton 3.6's interpreter reads a scalar loop bound with ``int()`` of a
-    1-element array, which NumPy 2.4 refuses: here it reads the single element instead
-    (Triton fixed it in a later release)."""
-    from triton.runtime import interpreter as interp
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    original = interp._patch_lang_tensor
-
-    def patch(tensor: Any, scope: Any) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda x: int(x.handle.data.reshape(-1)[0]))
-
-    monkeypatch.setattr(interp, "_patch_lang_tensor", patch)
-    with warnings_off():
-        yield
-
-
-def warnings_off() -> Any:
-    """NumPy's warning for ``0 * -inf`` in a branch ``tl.where`` discards."""
-    import numpy as np
-
-    return np.errstate(invalid="ignore")
+def _interpreted(triton_interpreter: None) -> None:
+    """Every test here under Triton's interpreter (tests/conftest.py)."""
 
 
 def without_chunks(opts: dict[str, Any]) -> dict[str, Any]:

@@ -200,6 +200,17 @@ def _scale(spec: LossSpec, valid: Tensor, normalizer: Tensor | None, dtype: torc
     return loss_scale(valid, mode=spec.mode, normalizer=den, max_len=spec.max_len, dtype=dtype)  # type: ignore[arg-type]
 
 
+def definition_grad(
+    spec: LossSpec, tensors: LossInputs, normalizer: Tensor | None, grad_out: Tensor
+) -> Tensor:
+    """``grad_out * d loss / d logp`` of :func:`reference_loss`, itself differentiable: the
+    backward of every fused path under ``create_graph=True``."""
+    with torch.enable_grad():
+        loss = reference_loss(spec, tensors, normalizer)
+        (g,) = torch.autograd.grad(loss, tensors.logp, grad_out, create_graph=True)
+    return g  # type: ignore[no-any-return]
+
+
 class _FusedLoss(torch.autograd.Function):
     """The loss with its precomputed ``logp`` gradient handed over to backward."""
 
@@ -236,9 +247,7 @@ class _FusedLoss(torch.autograd.Function):
         given = [next(it) if here else None for here in ctx.layout]
         rest, normalizer = tuple(given[: ctx.n_rest]), given[ctx.n_rest]
         if torch.is_grad_enabled():  # create_graph=True: differentiate the definition
-            with torch.enable_grad():
-                loss = reference_loss(ctx.spec, LossInputs._make((logp, *rest)), normalizer)
-                (g,) = torch.autograd.grad(loss, logp, grad_out, create_graph=True)
+            g = definition_grad(ctx.spec, LossInputs._make((logp, *rest)), normalizer, grad_out)
             return g, None, None, None, None
         owned = False
         if ctx.handover:

@@ -68,9 +68,17 @@ class CompiledPolicyLoss:
 
     ``backend="inductor"`` exports the body with ``torch.export`` and compiles it;
     ``"eager"`` records the body's eager operations (``make_fx``: no dynamo, no compile
-    step, for tests, debugging and machines without a C++ compiler) and replays them. Objectives without an analytic ``grad`` are refused
-    (they have no fused body); double backward differentiates the reference definition,
-    as :func:`policy_loss` does.
+    step, for tests, debugging and machines without a C++ compiler) and replays them;
+    ``"triton"`` (CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``; eager only, not
+    under ``torch.compile``) runs one Triton kernel forward and one backward, three
+    launches for a ``loss.backward()`` step where a GPU is launch-bound
+    (:mod:`dapo_ops.engine._triton_loss`): for the token-local objectives with a Triton
+    term (``ClipHigher``, ``PolicyGradient``, ``RatioSurrogate``, ``CISPO``, ``TOPR``,
+    ``DRO``, ``SAPO``, ``DPPO``; others are refused), every KL estimator, IS and KL
+    weights, aggregation mode and normaliser; the chunk sums are reduced in a fixed
+    order (the same bits on every run), within rounding of the other backends' result.
+    Objectives without an analytic ``grad`` are refused (they have no fused body);
+    double backward differentiates the reference definition, as :func:`policy_loss` does.
 
     Shapes: as :func:`policy_loss`. Returns a 0-dim tensor in the compute dtype.
 
@@ -88,10 +96,8 @@ class CompiledPolicyLoss:
     mode: AggregationMode = "token_mean"
     max_len: int | None = None
     kl: KLPenalty | None = None
-    backend: Literal["inductor", "eager"] = "inductor"
-    cache: dict[Signature, Kernel] = dataclasses.field(
-        default_factory=dict, compare=False, repr=False
-    )
+    backend: Literal["inductor", "eager", "triton"] = "inductor"
+    cache: dict[Signature, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         check_objective_value(self.objective, "CompiledPolicyLoss.objective")
@@ -104,7 +110,11 @@ class CompiledPolicyLoss:
         check_max_len(self.max_len)
         if self.kl is not None and not isinstance(self.kl, KLPenalty):
             raise InputError(f"CompiledPolicyLoss.kl must be a KLPenalty or None, got {self.kl!r}")
-        check_option("CompiledPolicyLoss.backend", self.backend, ("inductor", "eager"))
+        check_option("CompiledPolicyLoss.backend", self.backend, ("inductor", "eager", "triton"))
+        if self.backend == "triton":
+            from dapo_ops.engine._triton_loss import check_triton_objective
+
+            check_triton_objective(self.objective)
 
     @checks_values
     def __call__(
@@ -127,14 +137,18 @@ class CompiledPolicyLoss:
         if kernel is None:
             kernel = self._build(args, normalizer, key)
         adv, valid, dtype = policy_tensors(logp, old_logp, advantages, mask)
-        den = None if given is None else torch.as_tensor(given, dtype=dtype, device=logp.device)
         spec = LossSpec(self.objective, self.kl, self.mode, self.max_len)
         tensors = LossInputs(logp, old_logp, adv, valid, ref_logp, is_weights, kl_weights)
+        if self.backend == "triton":
+            from dapo_ops.engine._triton_loss import triton_loss
+
+            return triton_loss(spec, tensors, given, kernel)
+        den = None if given is None else torch.as_tensor(given, dtype=dtype, device=logp.device)
         return fused_loss(spec, tensors, den, _Body(kernel))
 
     def _build(
         self, args: tuple[Tensor | None, ...], normalizer: Normalizer, key: Signature
-    ) -> Kernel:
+    ) -> Any:
         logp, old_logp, advantages, mask, ref_logp, is_weights, kl_weights = args
         assert logp is not None and old_logp is not None
         assert advantages is not None and mask is not None
@@ -145,7 +159,12 @@ class CompiledPolicyLoss:
         )  # fmt: skip
         if (ref_logp is None) != (self.kl is None):
             raise InputError("ref_logp is needed exactly when CompiledPolicyLoss.kl is set")
-        kernel = _compile(spec, tensors, den, self.backend)
+        if self.backend == "triton":
+            from dapo_ops.engine._triton_loss import TritonLoss
+
+            kernel: Any = TritonLoss(spec, tensors)
+        else:
+            kernel = _compile(spec, tensors, den, self.backend)
         self.cache[key] = kernel
         return kernel
 

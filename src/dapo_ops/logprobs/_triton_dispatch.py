@@ -57,7 +57,7 @@ def use_triton(
         chosen = str(backend)
     if chosen != "triton":
         return False
-    from dapo_ops.logprobs._triton_linear import interpreting
+    from dapo_ops._core._triton import interpreting
 
     if backend == "triton":
         if is_compiling():

@@ -29,14 +29,12 @@ gradient row. The derivation: ``docs/linear_loss.md``.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib.util
-import os
-import sys
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from dapo_ops._core._triton import interpreting, load_kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,32 +52,9 @@ GPU_BLOCKS = Blocks()
 INTERPRET_BLOCKS = Blocks(16, 32, 16)
 
 
-def interpreting() -> bool:
-    """Whether Triton runs its interpreter (``TRITON_INTERPRET=1``, read per call)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
-@functools.lru_cache(maxsize=2)
 def kernels(interpret: bool) -> Any:
-    """The kernel module, loaded once per mode under its own name, with
-    ``TRITON_INTERPRET`` set to ``interpret`` while ``triton.jit`` defines the kernels."""
-    name = "dapo_ops.logprobs._triton_kernels" + ("_interpreted" if interpret else "")
-    spec = importlib.util.find_spec("dapo_ops.logprobs._triton_kernels")
-    assert spec is not None and spec.origin is not None
-    spec = importlib.util.spec_from_file_location(name, spec.origin)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
-    try:
-        sys.modules[name] = module  # the interpreter looks kernels' globals up there
-        spec.loader.exec_module(module)
-    finally:
-        if saved is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
-    return module
+    """This path's kernel module (:func:`dapo_ops._core._triton.load_kernels`)."""
+    return load_kernels("dapo_ops.logprobs._triton_kernels", interpret)
 
 
 def _common(h: Tensor, blocks: Blocks | None) -> tuple[Any, dict[str, Any], Blocks]:
