@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 import torch
 from _bounds import round_bound
+from hypothesis import given
+from hypothesis import strategies as st
 
 import dapo_ops as d
 from dapo_ops import InputError, testing
@@ -89,6 +91,55 @@ def _split(x: dict[str, Any], keys: tuple[str, ...]) -> tuple[dict[str, Any], di
     return {k: x[k] for k in ("logp", "old_logp", "advantages", "mask")}, {k: x[k] for k in keys}
 
 
+KL_CASES = [
+    d.KLPenalty(beta=0.04, estimator=e, clamp=c, straight_through=st)
+    for e in ("k1", "k2", "k3", "abs")
+    for c, st in ((None, False), (0.05, False), (None, True))
+]
+
+
+@st.composite
+def calls(draw: st.DrawFn) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Any supported objective, mode, shape (chunk and row-block edges crossed or not),
+    advantage layout, KL penalty with or without weights, IS weights and normaliser."""
+    b, s, seed = draw(st.integers(1, 7)), draw(st.integers(1, 21)), draw(st.integers(0, 2**16))
+    x = _batch(b, s, seed=seed)
+    x["mask"][-1] = draw(st.booleans())  # the last row empty, or full
+    layout = draw(st.sampled_from(["batch", "batch 1", "batch seq"]))
+    if layout != "batch":
+        x["advantages"] = x["advantages"][:, None]
+    if layout == "batch seq":
+        g = torch.Generator().manual_seed(seed)
+        x["advantages"] = x["advantages"] * torch.rand(b, s, generator=g, dtype=F64) * 2
+    kl = draw(st.sampled_from([None, *KL_CASES]))
+    kw: dict[str, Any] = {"normalizer": draw(st.sampled_from([None, 3, 7.25, "tensor"]))}
+    if kw["normalizer"] == "tensor":
+        kw["normalizer"] = torch.tensor(5.0, dtype=F64)
+    if kl is not None:
+        kw["ref_logp"] = x["ref_logp"]
+        if draw(st.booleans()):
+            kw["kl_weights"] = x["kl_weights"]
+    if draw(st.booleans()):
+        kw["is_weights"] = x["is_weights"]
+    mode = draw(st.sampled_from(testing.MODES))
+    max_len = draw(st.sampled_from([None, 25]))
+    objective = draw(st.sampled_from(SUPPORTED))
+    options = {"objective": objective, "mode": mode, "max_len": max_len, "kl": kl}
+    return options, x, kw  # the object is made in the test: beartype's checks draw from `random`
+
+
+@given(calls())
+def test_any_call_equals_the_engine_float64(
+    call: tuple[dict[str, Any], dict[str, Any], dict[str, Any]],
+) -> None:
+    """Property: every combination of the options equals ``policy_loss`` to float64
+    rounding (loss and gradient)."""
+    options, x, kw = call
+    fn = d.CompiledPolicyLoss(**options, backend="triton")
+    want = _engine(fn.objective, x, mode=fn.mode, max_len=fn.max_len, kl=fn.kl, **kw)
+    _close64(_run(fn, x, **kw), want, repr(fn))
+
+
 @pytest.mark.parametrize("objective", SUPPORTED, ids=repr)
 @pytest.mark.parametrize("mode", testing.MODES)
 def test_every_objective_and_mode_float64(objective: d.Objective, mode: str) -> None:
@@ -105,13 +156,6 @@ def test_every_objective_float32_within_bounds(objective: d.Objective) -> None:
     (the library's own conformance check, on this backend)."""
     for mode in ("token_mean", "seq_mean_token_mean"):
         testing.check_compiled_policy_loss(objective, mode=mode, backend="triton")  # type: ignore[arg-type]
-
-
-KL_CASES = [
-    d.KLPenalty(beta=0.04, estimator=e, clamp=c, straight_through=st)
-    for e in ("k1", "k2", "k3", "abs")
-    for c, st in ((None, False), (0.05, False), (None, True))
-]
 
 
 @pytest.mark.parametrize("kl", KL_CASES, ids=repr)
