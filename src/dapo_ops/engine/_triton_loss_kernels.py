@@ -14,8 +14,14 @@ penalty's ``beta``, ``log_ratio_clamp`` and ``clamp``, ``prm[7]`` the objective'
 """
 # mypy: ignore-errors
 
+import os
+
 import triton
 import triton.language as tl
+
+#: The mode this module was loaded in (``dapo_ops._core._triton.load_kernels`` sets
+#: ``TRITON_INTERPRET`` while it runs): under the interpreter a branch never compiled.
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 NAN_ALL = tl.constexpr(tl.PropagateNan.ALL)
 
@@ -27,6 +33,8 @@ def _add(a, b):
 
 @triton.jit
 def _sum(x):
+    if INTERPRETED:  # the interpreter sums with numpy only for the library's own combine
+        return tl.reduce(x, 0, tl.standard._sum_combine)
     return tl.reduce(x, 0, _add)
 
 

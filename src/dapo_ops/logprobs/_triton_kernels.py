@@ -7,16 +7,24 @@ the kernels live at module level). No type annotations: Triton reads them as its
 """
 # mypy: ignore-errors
 
+import os
+
 import triton
 import triton.language as tl
 
 from dapo_ops.logprobs._softmax_blocks import LOGP_FLOOR
+
+#: The mode this module was loaded in (``dapo_ops._core._triton.load_kernels`` sets
+#: ``TRITON_INTERPRET`` while it runs): under the interpreter a branch never compiled.
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 FLOOR = tl.constexpr(LOGP_FLOOR)
 
 # Only builtins of triton.language and this module's own jit functions are called: the
 # library's jit helpers (tl.zeros, tl.sum, tl.max) are defined when triton is imported,
 # compiled or interpreted once for all, and this module may be loaded in the other mode.
+# (Under the interpreter, _sum hands tl.standard._sum_combine to tl.reduce, which knows
+# it and sums with numpy without calling it.)
 
 
 @triton.jit
@@ -31,6 +39,8 @@ def _greater(a, b):
 
 @triton.jit
 def _sum(x, axis: tl.constexpr):
+    if INTERPRETED:  # the interpreter sums with numpy only for the library's own combine
+        return tl.reduce(x, axis, tl.standard._sum_combine)
     return tl.reduce(x, axis, _add)
 
 
@@ -43,6 +53,11 @@ def _max(x, axis: tl.constexpr):
 def _dot(a, b, acc, UPCAST: tl.constexpr, ACC: tl.constexpr):
     # UPCAST (interpreter only): its bfloat16 dot is wrong; bfloat16 products are exact
     # in float32, so the float32 dot of the upcast tiles is the same arithmetic.
+    # float64: Triton 3.6 cannot lower a float64 tl.dot for sm_90 (its MMAv2 path asserts
+    # "fp64 don't support largeK MMA"), so the products are summed on the CUDA cores (and
+    # under the interpreter too, so CI runs this branch); small tiles (F64_BLOCKS).
+    if ACC == tl.float64:  # noqa: SIM300 (ACC is the accumulator's dtype, not a constant)
+        return acc + _sum(a[:, :, None].to(ACC) * b[None, :, :].to(ACC), 1)
     if UPCAST:
         a = a.to(tl.float32)
         b = b.to(tl.float32)

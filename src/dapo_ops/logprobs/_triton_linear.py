@@ -50,6 +50,9 @@ class Blocks:
 GPU_BLOCKS = Blocks()
 #: Under the interpreter: the smallest legal tiles (it runs each program in numpy).
 INTERPRET_BLOCKS = Blocks(16, 32, 16)
+#: float64 on a GPU: products summed on the CUDA cores (no float64 ``tl.dot`` on sm_90 in
+#: Triton 3.6), so tiles whose ``[tokens, vocab, dim]`` product fits in registers.
+F64_BLOCKS = Blocks(16, 32, 16)
 
 
 def kernels(interpret: bool) -> Any:
@@ -61,7 +64,8 @@ def _common(h: Tensor, blocks: Blocks | None) -> tuple[Any, dict[str, Any], Bloc
     interpret = interpreting()
     ks = kernels(interpret)
     tl = ks.tl
-    b = blocks or (INTERPRET_BLOCKS if interpret else GPU_BLOCKS)
+    gpu = F64_BLOCKS if h.dtype == torch.float64 else GPU_BLOCKS
+    b = blocks or (INTERPRET_BLOCKS if interpret else gpu)
     meta = {
         "UPCAST": interpret and h.dtype == torch.bfloat16,
         "ACC": tl.float64 if h.dtype == torch.float64 else tl.float32,

@@ -1,0 +1,112 @@
+"""The Triton kernels compile for an H100 (``sm_90``) on a machine without a GPU.
+
+Triton's interpreter (tests/test_triton_linear.py, tests/test_triton_loss.py) runs the
+kernels' arithmetic in numpy; it does not apply the compiled language's rules: what
+``tl.dot`` accepts for each dtype, layouts, scalar atomics. Here Triton's own toolchain
+(its bundled ``ptxas``) lowers every kernel, for each input dtype, to a cubin for
+``sm_90``, and the PTX is checked for what the design relies on: bfloat16 tiles on the
+tensor cores (``wgmma``) with ``input_precision="ieee"``; float64 without a ``tl.dot``
+(Triton 3.6 cannot lower a float64 dot for ``sm_90``); the policy loss's forward with
+exactly one atomic, an integer ticket, and no floating-point atomics (its sums are
+reduced in a fixed order). Skipped where Triton has no CUDA backend.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+triton = pytest.importorskip("triton")
+pytest.importorskip("triton.backends.nvidia")
+
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from dapo_ops import DPPO  # noqa: E402
+from dapo_ops._core._triton import load_kernels  # noqa: E402
+from dapo_ops.engine._triton_loss import OBJECTIVES  # noqa: E402
+from dapo_ops.logprobs._triton_linear import F64_BLOCKS, GPU_BLOCKS  # noqa: E402
+
+H100 = GPUTarget("cuda", 90, 32)
+
+
+@pytest.fixture(autouse=True)
+def compiled_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+def ptx(kernel: Any, types: dict[str, str], constants: dict[str, Any]) -> str:
+    """The PTX of ``kernel`` for an H100: every argument typed by ``types`` (pointers by
+    name, ``i32`` otherwise) or bound by ``constants``."""
+    signature = {
+        n: "constexpr" if n in constants else types.get(n, "i32") for n in kernel.arg_names
+    }
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+    return str(triton.compile(src, target=H100).asm["ptx"])
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp64"])
+def test_linear_kernels_compile_for_sm90(dtype: str) -> None:
+    """Pass 1 and both pass-2 kernels, with bias, mask, entropy gradient and soft cap."""
+    ks = load_kernels("dapo_ops.logprobs._triton_kernels", False)
+    acc = "fp64" if dtype == "fp64" else "fp32"
+    types = {f"{n}_ptr": f"*{dtype}" for n in ("h", "w", "b")}
+    types |= {f"{n}_ptr": f"*{acc}" for n in ("logp", "ent", "lse", "a", "bb", "gh", "gw", "gb")}
+    types |= {"tok_ptr": "*i64", "valid_ptr": "*i8", "temp": "fp32", "cap": "fp32"}
+    blocks = F64_BLOCKS if dtype == "fp64" else GPU_BLOCKS
+    flags: dict[str, Any] = {"HAS_BIAS": True, "HAS_VALID": True, "HAS_CAP": True}
+    flags |= {"UPCAST": False, "ACC": tl.float64 if dtype == "fp64" else tl.float32}
+    flags |= {"BT": blocks.tokens, "BV": blocks.vocab, "BD": blocks.dim}
+    for name, extra in (
+        ("fwd", {}),
+        ("bwd_hidden", {"HAS_B": True}),
+        ("bwd_weight", {"HAS_B": True, "NEED_W": True, "NEED_BIAS": True}),
+    ):
+        code = ptx(getattr(ks, name), types, flags | extra)
+        if dtype == "bf16":  # tensor cores, products accumulated in float32
+            assert "wgmma.mma_async.sync.aligned" in code and ".f32.bf16.bf16" in code, name
+        else:  # float32 "ieee" and float64: on the CUDA cores
+            assert "mma" not in code and "fma.rn.f" in code, name
+
+
+def _loss_cases() -> list[tuple[int, int, int, int]]:
+    """(objective number, KL estimator number, mode, normaliser kind): every objective's
+    number (DPPO has two: tv and kl), the options rotating over them."""
+    values = [t() for t in OBJECTIVES] + [DPPO(divergence="kl")]
+    numbers = sorted({OBJECTIVES[type(o)](o)[0] for o in values})
+    return [(obj, obj % 5, obj % 4, obj % 3) for obj in numbers]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp64"])
+def test_policy_loss_kernels_compile_for_sm90(dtype: str) -> None:
+    """Every objective's term (with a KL estimator, IS and KL weights, each mode and
+    normaliser kind in turn) and the backward for each gradient dtype; the forward's one
+    atomic is the integer ticket."""
+    ks = load_kernels("dapo_ops.engine._triton_loss_kernels", False)
+    names = ("lp", "old", "adv", "ref", "rho", "kappa", "prm", "den", "u", "part", "loss", "scale")
+    types = {f"{n}_ptr": f"*{dtype}" for n in names}
+    types |= {"valid_ptr": "*u8", "cnt_ptr": "*i32", "sem_ptr": "*i32"}
+    compute = tl.float64 if dtype == "fp64" else tl.float32
+    for obj, kl, mode, den in _loss_cases():
+        flags = {"OBJ": obj, "KL": kl, "KL_ST": kl == 2, "KL_CAP": kl == 3, "HAS_RHO": True}
+        flags |= {"HAS_KAPPA": kl > 0, "MODE": mode, "DEN": den, "WITH_GRAD": True}
+        flags |= {"COMPUTE": compute, "BLOCK": 2048, "RB": 1024}
+        code = ptx(ks.loss_forward, types, flags)
+        atomics = [line for line in code.splitlines() if "atom." in line]
+        assert len(atomics) == 2, atomics  # the ticket and the reset
+        assert all(".f32" not in a and ".f64" not in a for a in atomics), atomics
+    for out in ("bf16", "fp16", dtype):
+        back = {"u_ptr": f"*{dtype}", "scale_ptr": f"*{dtype}", "go_ptr": "*fp32"}
+        ptx(ks.loss_backward, back | {"out_ptr": f"*{out}"},
+            {"PER_ROW": 1, "COMPUTE": compute, "BLOCK": 2048})  # fmt: skip
+
+
+def test_interpreter_switch_is_per_module() -> None:
+    """The kernels' modules read ``TRITON_INTERPRET`` when loaded: compiled here."""
+    assert os.environ.get("TRITON_INTERPRET") is None
+    for module in ("dapo_ops.logprobs._triton_kernels", "dapo_ops.engine._triton_loss_kernels"):
+        assert not bool(load_kernels(module, False).INTERPRETED)
