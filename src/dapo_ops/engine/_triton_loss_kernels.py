@@ -4,8 +4,9 @@ r"""The two Triton kernels of ``CompiledPolicyLoss(backend="triton")`` (document
 Private. Importing this module imports Triton; it is loaded on first use, once per mode
 (:func:`dapo_ops._core._triton.load_kernels`). Only builtins of ``triton.language`` and
 this module's own jit functions are called (the library's jit helpers such as
-``tl.sum`` are bound to the mode Triton was first imported in). No type annotations:
-Triton reads them as its own.
+``tl.sum`` are bound to the mode Triton was first imported in; under the interpreter
+``_sum`` hands ``tl.standard._sum_combine`` to ``tl.reduce``, which knows it and sums with
+numpy without calling it). No type annotations: Triton reads them as its own.
 
 Parameters travel in a small tensor ``prm`` in the compute dtype (a Python float
 argument would be rounded to float32): ``prm[0:4]`` the objective's, ``prm[4:7]`` the KL
