@@ -91,7 +91,8 @@ def test_policy_loss_kernels_compile_for_sm90(dtype: str) -> None:
     types = {f"{n}_ptr": f"*{dtype}" for n in names}
     types |= {"valid_ptr": "*u8", "cnt_ptr": "*i32", "sem_ptr": "*i32"}
     compute = tl.float64 if dtype == "fp64" else tl.float32
-    for obj, kl, mode, den in _loss_cases():
+    cases = _loss_cases() if dtype == "fp32" else _loss_cases()[::4]  # float64: three
+    for obj, kl, mode, den in cases:
         flags = {"OBJ": obj, "KL": kl, "KL_ST": kl == 2, "KL_CAP": kl == 3, "HAS_RHO": True}
         flags |= {"HAS_KAPPA": kl > 0, "MODE": mode, "DEN": den, "WITH_GRAD": True}
         flags |= {"COMPUTE": compute, "BLOCK": 2048, "RB": 1024}
