@@ -1,4 +1,5 @@
-"""The Triton kernels compile for an H100 (``sm_90``) on a machine without a GPU.
+"""The Triton kernels compile for an H100 (``sm_90``) on a machine without a GPU, and
+their tiles fit in registers.
 
 Triton's interpreter (tests/test_triton_linear.py, tests/test_triton_loss.py) runs the
 kernels' arithmetic in numpy; it does not apply the compiled language's rules: what
@@ -8,7 +9,9 @@ kernels' arithmetic in numpy; it does not apply the compiled language's rules: w
 tensor cores (``wgmma``) with ``input_precision="ieee"``; float64 without a ``tl.dot``
 (Triton 3.6 cannot lower a float64 dot for ``sm_90``); the policy loss's forward with
 exactly one atomic, an integer ticket, and no floating-point atomics (its sums are
-reduced in a fixed order). Skipped where Triton has no CUDA backend.
+reduced in a fixed order); and the cubins' resource usage shows no register spilled to
+local memory at the tiles a GPU runs (``GPU_BLOCKS``). Skipped where Triton has no
+CUDA backend.
 """
 
 from __future__ import annotations
@@ -17,21 +20,22 @@ import os
 from typing import Any
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.slow
 triton = pytest.importorskip("triton")
 pytest.importorskip("triton.backends.nvidia")
 
 import triton.language as tl  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
 from dapo_ops import DPPO  # noqa: E402
 from dapo_ops._core._triton import load_kernels  # noqa: E402
+from dapo_ops.engine import _triton_loss as triton_loss  # noqa: E402
 from dapo_ops.engine._triton_loss import OBJECTIVES  # noqa: E402
-from dapo_ops.logprobs._triton_linear import F64_BLOCKS, GPU_BLOCKS  # noqa: E402
+from dapo_ops.logprobs._triton_linear import GPU_BLOCKS  # noqa: E402
 
-H100 = GPUTarget("cuda", 90, 32)
+sm90 = pytest.importorskip("tools.sm90_tiles", reason="run from the repository root")
+compile_h100, linear_kernels, usage = sm90.compile_h100, sm90.linear_kernels, sm90.usage
 
 
 @pytest.fixture(autouse=True)
@@ -39,34 +43,21 @@ def compiled_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
-def ptx(kernel: Any, types: dict[str, str], constants: dict[str, Any]) -> str:
-    """The PTX of ``kernel`` for an H100: every argument typed by ``types`` (pointers by
-    name, ``i32`` otherwise) or bound by ``constants``."""
-    signature = {
-        n: "constexpr" if n in constants else types.get(n, "i32") for n in kernel.arg_names
-    }
-    src = ASTSource(fn=kernel, signature=signature, constexprs=constants)
-    return str(triton.compile(src, target=H100).asm["ptx"])
+def spilled_bytes(compiled: Any) -> int:
+    """Bytes per thread spilled to local memory (the cubin's stack frame)."""
+    return int(usage(compiled)["STACK"])
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp64"])
 def test_linear_kernels_compile_for_sm90(dtype: str) -> None:
-    """Pass 1 and both pass-2 kernels, with bias, mask, entropy gradient and soft cap."""
-    ks = load_kernels("dapo_ops.logprobs._triton_kernels", False)
-    acc = "fp64" if dtype == "fp64" else "fp32"
-    types = {f"{n}_ptr": f"*{dtype}" for n in ("h", "w", "b")}
-    types |= {f"{n}_ptr": f"*{acc}" for n in ("logp", "ent", "lse", "a", "bb", "gh", "gw", "gb")}
-    types |= {"tok_ptr": "*i64", "valid_ptr": "*i8", "temp": "fp32", "cap": "fp32"}
-    blocks = F64_BLOCKS if dtype == "fp64" else GPU_BLOCKS
-    flags: dict[str, Any] = {"HAS_BIAS": True, "HAS_VALID": True, "HAS_CAP": True}
-    flags |= {"UPCAST": False, "ACC": tl.float64 if dtype == "fp64" else tl.float32}
-    flags |= {"BT": blocks.tokens, "BV": blocks.vocab, "BD": blocks.dim}
-    for name, extra in (
-        ("fwd", {}),
-        ("bwd_hidden", {"HAS_B": True}),
-        ("bwd_weight", {"HAS_B": True, "NEED_W": True, "NEED_BIAS": True}),
-    ):
-        code = ptx(getattr(ks, name), types, flags | extra)
+    """Pass 1 and both pass-2 kernels, with bias, mask, entropy gradient and soft cap, at
+    the tiles a GPU runs, without a spilled register."""
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}[dtype]
+    b = GPU_BLOCKS[torch_dtype]
+    kernels = linear_kernels(torch_dtype, (b.tokens, b.vocab, b.dim), b.warps, cap=True)
+    for name, compiled in kernels.items():
+        code = compiled.asm["ptx"]
+        assert spilled_bytes(compiled) == 0, f"{name}: {b} spills registers"
         if dtype == "bf16":  # tensor cores, products accumulated in float32
             assert "wgmma.mma_async.sync.aligned" in code and ".f32.bf16.bf16" in code, name
         else:  # float32 "ieee" and float64: on the CUDA cores
@@ -91,19 +82,27 @@ def test_policy_loss_kernels_compile_for_sm90(dtype: str) -> None:
     types = {f"{n}_ptr": f"*{dtype}" for n in names}
     types |= {"valid_ptr": "*u8", "cnt_ptr": "*i32", "sem_ptr": "*i32"}
     compute = tl.float64 if dtype == "fp64" else tl.float32
+    with pytest.MonkeyPatch.context() as mp:  # the GPU's blocks, not the interpreter's
+        mp.setattr(triton_loss, "interpreting", lambda: False)
+        block, rows, warps = triton_loss._blocks(
+            torch.float64 if dtype == "fp64" else torch.float32
+        )
     cases = _loss_cases() if dtype == "fp32" else _loss_cases()[::4]  # float64: three
     for obj, kl, mode, den in cases:
         flags = {"OBJ": obj, "KL": kl, "KL_ST": kl == 2, "KL_CAP": kl == 3, "HAS_RHO": True}
         flags |= {"HAS_KAPPA": kl > 0, "MODE": mode, "DEN": den, "WITH_GRAD": True}
-        flags |= {"COMPUTE": compute, "BLOCK": 2048, "RB": 1024}
-        code = ptx(ks.loss_forward, types, flags)
+        flags |= {"COMPUTE": compute, "BLOCK": block, "RB": rows}
+        compiled = compile_h100(ks.loss_forward, types, flags, warps)
+        code = compiled.asm["ptx"]
+        assert spilled_bytes(compiled) == 0, flags
         atomics = [line for line in code.splitlines() if "atom." in line]
         assert len(atomics) == 2, atomics  # the ticket and the reset
         assert all(".f32" not in a and ".f64" not in a for a in atomics), atomics
     for out in ("bf16", "fp16", dtype):
         back = {"u_ptr": f"*{dtype}", "scale_ptr": f"*{dtype}", "go_ptr": "*fp32"}
-        ptx(ks.loss_backward, back | {"out_ptr": f"*{out}"},
-            {"PER_ROW": 1, "COMPUTE": compute, "BLOCK": 2048})  # fmt: skip
+        compiled = compile_h100(ks.loss_backward, back | {"out_ptr": f"*{out}"},
+                                {"PER_ROW": 1, "COMPUTE": compute, "BLOCK": block}, warps)  # fmt: skip
+        assert spilled_bytes(compiled) == 0, out
 
 
 def test_interpreter_switch_is_per_module() -> None:

@@ -82,10 +82,14 @@ def check_triton_objective(objective: Objective) -> None:
         )
 
 
-def _blocks() -> tuple[int, int]:
-    """(tokens per program, rows per block of the final reduction): small under the
-    interpreter, so that tests cross chunk and row-block edges."""
-    return (8, 4) if interpreting() else (2048, 1024)
+def _blocks(dtype: torch.dtype) -> tuple[int, int, int]:
+    """(tokens per program, rows per block of the final reduction, warps): small under
+    the interpreter, so that tests cross chunk and row-block edges; on a GPU the largest
+    token blocks whose kernels compile for ``sm_90`` without spilling registers
+    (tests/test_triton_compile.py): 2048 tokens on 8 warps, 512 on 4 in float64."""
+    if interpreting():
+        return 8, 4, 4
+    return (512, 1024, 4) if dtype == torch.float64 else (2048, 1024, 8)
 
 
 def _row_unit(t: Tensor | None) -> Tensor | None:
@@ -137,7 +141,7 @@ class TritonLoss:
         logp, old, adv, valid, ref, rho, kappa = (_row_unit(t) for t in tensors)
         assert logp is not None and old is not None and adv is not None and valid is not None
         batch, seq = logp.shape
-        block, rows = _blocks()
+        block, rows, warps = _blocks(self.dtype)
         chunks = max(-(-seq // block), 1)
         n = batch * chunks
         dev, dt = logp.device, self.dtype
@@ -161,13 +165,14 @@ class TritonLoss:
             0 if kappa is None else kappa.stride(0), den_int,
             **self.meta, DEN=den_kind, WITH_GRAD=with_grad,
             COMPUTE=tl.float64 if dt == torch.float64 else tl.float32, BLOCK=block, RB=rows,
+            num_warps=warps,
         )  # fmt: skip
         return loss, u, w
 
     def backward(self, u: Tensor, w: Tensor, grad_out: Tensor, dtype: torch.dtype) -> Tensor:
         """``d loss / d logp`` in ``dtype``: ``u * w * grad_out``, one kernel."""
         batch, seq = u.shape
-        block, _ = _blocks()
+        block, _, warps = _blocks(u.dtype)
         chunks = max(-(-seq // block), 1)
         # Triton 3.6's interpreter rounds float32 -> bfloat16 toward zero: there torch casts
         wide = interpreting() and dtype == torch.bfloat16
@@ -176,6 +181,7 @@ class TritonLoss:
         self.kernels.loss_backward[(batch * chunks,)](
             u, w, grad_out, out, seq, chunks, out.stride(0), PER_ROW=int(self.meta["MODE"] == 1),
             COMPUTE=tl.float64 if u.dtype == torch.float64 else tl.float32, BLOCK=block,
+            num_warps=warps,
         )  # fmt: skip
         return out.to(dtype) if wide else out
 

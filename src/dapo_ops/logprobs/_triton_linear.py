@@ -39,20 +39,29 @@ from dapo_ops._core._triton import interpreting, load_kernels
 
 @dataclasses.dataclass(frozen=True)
 class Blocks:
-    """Tile sizes (powers of two, >= 16 for ``tl.dot``): tokens, vocabulary, hidden."""
+    """Tile sizes (powers of two, >= 16 for ``tl.dot``): tokens, vocabulary, hidden; and
+    the warps per program."""
 
     tokens: int = 64
     vocab: int = 128
-    dim: int = 64
+    dim: int = 32
+    warps: int = 8
 
 
-#: On a GPU: a first choice, not yet tuned (issue 30: measured in a GPU session).
-GPU_BLOCKS = Blocks()
+#: On a GPU, per input dtype: the largest tiles whose three kernels compile for an H100
+#: (``sm_90``, Triton 3.6) without spilling registers to local memory, read from the
+#: cubins' resource usage (tests/test_triton_compile.py checks it; the search over
+#: 32-128 tokens x 64-128 vocabulary x 32-64 hidden x 4-8 warps is in docs/linear_loss.md).
+#: Not yet timed on a GPU (issue 30). float64 sums its products on the CUDA cores (no
+#: float64 ``tl.dot`` on sm_90 in Triton 3.6): small tiles.
+GPU_BLOCKS: dict[torch.dtype, Blocks] = {
+    torch.bfloat16: Blocks(128, 64, 32, 8),
+    torch.float16: Blocks(128, 64, 32, 8),
+    torch.float32: Blocks(64, 64, 32, 8),
+    torch.float64: Blocks(16, 32, 16, 8),
+}
 #: Under the interpreter: the smallest legal tiles (it runs each program in numpy).
-INTERPRET_BLOCKS = Blocks(16, 32, 16)
-#: float64 on a GPU: products summed on the CUDA cores (no float64 ``tl.dot`` on sm_90 in
-#: Triton 3.6), so tiles whose ``[tokens, vocab, dim]`` product fits in registers.
-F64_BLOCKS = Blocks(16, 32, 16)
+INTERPRET_BLOCKS = Blocks(16, 32, 16, 4)
 
 
 def kernels(interpret: bool) -> Any:
@@ -64,14 +73,14 @@ def _common(h: Tensor, blocks: Blocks | None) -> tuple[Any, dict[str, Any], Bloc
     interpret = interpreting()
     ks = kernels(interpret)
     tl = ks.tl
-    gpu = F64_BLOCKS if h.dtype == torch.float64 else GPU_BLOCKS
-    b = blocks or (INTERPRET_BLOCKS if interpret else gpu)
+    b = blocks or (INTERPRET_BLOCKS if interpret else GPU_BLOCKS[h.dtype])
     meta = {
         "UPCAST": interpret and h.dtype == torch.bfloat16,
         "ACC": tl.float64 if h.dtype == torch.float64 else tl.float32,
         "BT": b.tokens,
         "BV": b.vocab,
         "BD": b.dim,
+        "num_warps": b.warps,
     }
     return ks, meta, b
 

@@ -1,0 +1,113 @@
+"""Compile the Triton kernels for an H100 (``sm_90``) without a GPU, and read what the
+compiler made of them: registers, bytes spilled to local memory, shared memory.
+
+python -m tools.sm90_tiles            # the tile search of the linear kernels, bf16 and fp32
+python -m tools.sm90_tiles --chosen   # the tiles the library runs (GPU_BLOCKS, _blocks)
+
+Triton's own toolchain does the work (its bundled ``ptxas`` and ``cuobjdump``), so this
+runs on any machine with the ``triton`` wheel. A tile that spills registers reads and
+writes local memory in its inner loop; the library's GPU tiles are the largest that do
+not (tests/test_triton_compile.py holds them to it). Whether they are the fastest is for
+a GPU to measure (issue 30).
+"""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from dapo_ops._core._triton import load_kernels
+
+H100 = GPUTarget("cuda", 90, 32)
+NAMES = {
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float64: "fp64",
+}
+LINEAR = ("fwd", {}), ("bwd_hidden", {"HAS_B": True}), (
+    "bwd_weight", {"HAS_B": True, "NEED_W": True, "NEED_BIAS": True},
+)  # fmt: skip
+
+
+def compile_h100(
+    kernel: Any, types: dict[str, str], constants: dict[str, Any], warps: int = 4
+) -> Any:
+    """``kernel`` compiled for an H100: every argument typed by ``types`` (pointers by
+    name, ``i32`` otherwise) or bound by ``constants``."""
+    signature = {
+        n: "constexpr" if n in constants else types.get(n, "i32") for n in kernel.arg_names
+    }
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+    return triton.compile(src, target=H100, options={"num_warps": warps})
+
+
+def usage(compiled: Any) -> dict[str, int]:
+    """``REG`` (registers per thread), ``STACK`` (bytes spilled to local memory per
+    thread) and ``SHARED`` of the cubin's kernel (``cuobjdump -res-usage``)."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        out = subprocess.run([str(tool), "-res-usage", str(cubin)], capture_output=True, text=True)
+    line = next(x for x in out.stdout.splitlines() if "STACK:" in x)
+    fields = dict(part.split(":") for part in line.split() if ":" in part)
+    return {k: int(fields[k]) for k in ("REG", "STACK")} | {"SHARED": compiled.metadata.shared}
+
+
+def linear_types(dtype: torch.dtype) -> dict[str, str]:
+    """Argument types of the linear kernels for inputs of ``dtype``."""
+    name = NAMES[dtype]
+    acc = "fp64" if dtype == torch.float64 else "fp32"
+    types = {f"{n}_ptr": f"*{name}" for n in ("h", "w", "b")}
+    types |= {f"{n}_ptr": f"*{acc}" for n in ("logp", "ent", "lse", "a", "bb", "gh", "gw", "gb")}
+    return types | {"tok_ptr": "*i64", "valid_ptr": "*i8", "temp": "fp32", "cap": "fp32"}
+
+
+def linear_kernels(
+    dtype: torch.dtype, tiles: tuple[int, int, int], warps: int, cap: bool
+) -> dict[str, Any]:
+    """Pass 1 and both pass-2 kernels compiled for ``dtype`` inputs with bias, mask and
+    entropy gradient, ``tiles`` = (tokens, vocabulary, hidden)."""
+    ks = load_kernels("dapo_ops.logprobs._triton_kernels", False)
+    flags: dict[str, Any] = {"HAS_BIAS": True, "HAS_VALID": True, "HAS_CAP": cap}
+    flags |= {"UPCAST": False, "ACC": tl.float64 if dtype == torch.float64 else tl.float32}
+    flags |= dict(zip(("BT", "BV", "BD"), tiles, strict=True))
+    types = linear_types(dtype)
+    return {n: compile_h100(getattr(ks, n), types, flags | x, warps) for n, x in LINEAR}
+
+
+def _row(dtype: torch.dtype, tiles: tuple[int, int, int], warps: int) -> str:
+    cells = []
+    for cap in (False, True):
+        for name, compiled in linear_kernels(dtype, tiles, warps, cap).items():
+            u = usage(compiled)
+            cells.append(f"{name}{'+cap' if cap else ''} {u['REG']}r/{u['STACK']}B")
+    return f"{NAMES[dtype]} {tiles} {warps} warps: " + ", ".join(cells)
+
+
+def main(argv: list[str]) -> int:
+    if "--chosen" in argv:
+        from dapo_ops.logprobs._triton_linear import GPU_BLOCKS
+
+        for dtype, b in GPU_BLOCKS.items():
+            print(_row(dtype, (b.tokens, b.vocab, b.dim), b.warps), flush=True)
+        return 0
+    for dtype in (torch.bfloat16, torch.float32):
+        for *tiles, warps in itertools.product((32, 64, 128), (64, 128), (32, 64), (4, 8)):
+            print(_row(dtype, tuple(tiles), warps), flush=True)  # type: ignore[arg-type]
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
