@@ -340,3 +340,24 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> No
     fn = d.CompiledPolicyLoss(d.ClipHigher(), backend="triton")
     with pytest.raises(InputError, match="needs CUDA tensors"):
         fn(x["logp"], x["old_logp"], x["advantages"], x["mask"])
+
+
+def test_inputs_changed_in_place_are_refused() -> None:
+    """The inputs are saved for backward: an in-place change before it is refused (and a
+    tensor normaliser reaches double backward)."""
+    x = _batch(3, 9, seed=15)
+    fn = d.CompiledPolicyLoss(d.ClipHigher(), backend="triton")
+    lp, old = x["logp"].clone().requires_grad_(True), x["old_logp"].clone()
+    loss = fn(lp, old, x["advantages"], x["mask"])
+    old.add_(0.1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    den = torch.tensor(6.0, dtype=F64)
+    lp = x["logp"].clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(
+        fn(lp, x["old_logp"], x["advantages"], x["mask"], normalizer=den), lp, create_graph=True
+    )
+    want = _engine(d.ClipHigher(), x, normalizer=den)[1]
+    _close64(
+        (g.detach().sum(), g.detach()), (want.sum(), want), "double backward, tensor normaliser"
+    )

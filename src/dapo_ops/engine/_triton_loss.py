@@ -210,18 +210,24 @@ class _TritonLossFn(torch.autograd.Function):
         normalizer: object, kernel: TritonLoss,
     ) -> Tensor:  # fmt: skip
         loss, u, w = kernel.forward(LossInputs._make((logp, *rest)), normalizer, True)
-        ctx.spec, ctx.kernel, ctx.rest, ctx.normalizer = spec, kernel, rest, normalizer
-        ctx.save_for_backward(logp, u, w)
+        ctx.spec, ctx.kernel = spec, kernel
+        ctx.number = None if isinstance(normalizer, Tensor) else normalizer
+        given = (*rest, normalizer if isinstance(normalizer, Tensor) else None)
+        ctx.layout = [t is not None for t in given]
+        # the inputs are saved too (no memory): torch then refuses an in-place change of
+        # any of them between forward and backward, as for the other backends
+        ctx.save_for_backward(logp, u, w, *(t for t in given if t is not None))
         return loss
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        logp, u, w = ctx.saved_tensors
+        logp, u, w, *present = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: differentiate the definition
-            den = ctx.normalizer
-            if den is not None and not isinstance(den, Tensor):
-                den = torch.as_tensor(den, dtype=u.dtype, device=u.device)
-            g = definition_grad(ctx.spec, LossInputs._make((logp, *ctx.rest)), den, grad_out)
+            it = iter(present)
+            *rest, den = (next(it) if here else None for here in ctx.layout)
+            if ctx.number is not None:
+                den = torch.as_tensor(ctx.number, dtype=u.dtype, device=u.device)
+            g = definition_grad(ctx.spec, LossInputs._make((logp, *rest)), den, grad_out)
             return g, None, None, None, None
         return ctx.kernel.backward(u, w, grad_out, logp.dtype), None, None, None, None
 
@@ -244,7 +250,9 @@ def triton_loss(
             f"Triton's interpreter, TRITON_INTERPRET=1); got tensors on {device}"
         )
     if logp.shape[0] == 0:  # no program would run: the engine's eager path
-        den = None if normalizer is None else torch.as_tensor(normalizer, dtype=kernel.dtype)
+        den = None
+        if normalizer is not None:
+            den = torch.as_tensor(normalizer, dtype=kernel.dtype, device=device)
         return fused_loss(spec, tensors, den)
     if not (torch.is_grad_enabled() and logp.requires_grad):
         return kernel.forward(tensors, normalizer, False)[0]
