@@ -19,6 +19,7 @@ import os
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 #: The mode this module was loaded in (``dapo_ops._core._triton.load_kernels`` sets
 #: ``TRITON_INTERPRET`` while it runs): under the interpreter a branch never compiled.
@@ -40,6 +41,24 @@ def _sum(x):
 
 
 @triton.jit
+def _exp(x):
+    """``e^x`` correctly rounded to within an ulp: libdevice's on a GPU, where ``tl.exp``
+    is ``ex2.approx`` of ``x log2 e`` (its error grows with ``|x|``); numpy's under the
+    interpreter."""
+    if INTERPRETED:
+        return tl.exp(x)
+    return libdevice.exp(x)
+
+
+@triton.jit
+def _log(x):
+    """``log x`` within an ulp (libdevice's on a GPU, not ``lg2.approx``)."""
+    if INTERPRETED:
+        return tl.log(x)
+    return libdevice.log(x)
+
+
+@triton.jit
 def _clamp(x, lo, hi):
     """``torch.clamp(x, lo, hi)``: ``min(max(x, lo), hi)``, NaN kept."""
     return tl.minimum(tl.maximum(x, lo, propagate_nan=NAN_ALL), hi, propagate_nan=NAN_ALL)
@@ -48,10 +67,10 @@ def _clamp(x, lo, hi):
 @triton.jit
 def _expm1(x):
     """``e^x - 1`` to a few ulps near 0 (Kahan: ``(u - 1) x / log u``, ``u = e^x``)."""
-    u = tl.exp(x)
+    u = _exp(x)
     um1 = u - 1.0
     safe = tl.where((u == 1.0) | (um1 == -1.0), 2.0, u)
-    return tl.where(u == 1.0, x, tl.where(um1 == -1.0, -1.0, um1 * x / tl.log(safe)))
+    return tl.where(u == 1.0, x, tl.where(um1 == -1.0, -1.0, um1 * x / _log(safe)))
 
 
 @triton.jit
@@ -83,17 +102,17 @@ def _objective(lp, old, lr, cl, r, a, zero, p0, p1, p2, p3, OBJ: tl.constexpr):
         g = p0 * lr - a
     elif OBJ == 6:  # SAPO: p0 = tau_pos, p1 = tau_neg
         tau = tl.where(a > 0, p0, p1)
-        gate = 1.0 / (1.0 + tl.exp(-(tau * (r - 1.0))))
+        gate = 1.0 / (1.0 + _exp(-(tau * (r - 1.0))))
         term = -(gate * (4.0 / tau)) * a
         g = tl.where(cl == lr, -a * ((4.0 * gate * (1.0 - gate)) * r), zero)
     else:  # DPPO, OBJ 7 "tv", 8 "kl": p0 = delta_low, p1 = delta_high, p2 = is_cap, p3 = 1e-8
-        p = tl.exp(lp)
-        q = tl.exp(old)
+        p = _exp(lp)
+        q = _exp(old)
         if OBJ == 7:
             up = (p - q) <= p1
             down = (p - q) >= -p0
         else:
-            bkl = q * (old - lp) + (1.0 - q) * tl.log((1.0 - q + p3) / (1.0 - p + p3))
+            bkl = q * (old - lp) + (1.0 - q) * _log((1.0 - q + p3) / (1.0 - p + p3))
             up = (bkl <= p1) | (p <= q)
             down = (bkl <= p0) | (p >= q)
         inside = tl.where(a > 0, up, down)
@@ -158,7 +177,7 @@ def loss_forward(
     p0, p1 = tl.load(prm_ptr), tl.load(prm_ptr + 1)
     p2, p3 = tl.load(prm_ptr + 2), tl.load(prm_ptr + 3)
     zero = tl.full([BLOCK], 0.0, COMPUTE)
-    term, g = _objective(lp, old, lr, cl, tl.exp(cl), a, zero, p0, p1, p2, p3, OBJ)
+    term, g = _objective(lp, old, lr, cl, _exp(cl), a, zero, p0, p1, p2, p3, OBJ)
     if HAS_RHO:
         rho = tl.load(rho_ptr + row * s_rho + offs, mask=ok, other=0.0).to(COMPUTE)
         term = term * rho
