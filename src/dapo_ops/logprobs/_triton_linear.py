@@ -50,8 +50,9 @@ class Blocks:
 
 #: On a GPU, per input dtype: the largest tiles whose three kernels compile for an H100
 #: (``sm_90``, Triton 3.6) without spilling registers to local memory, read from the
-#: cubins' resource usage (tests/test_triton_compile.py checks it; the search over
-#: 32-128 tokens x 64-128 vocabulary x 32-64 hidden x 4-8 warps is in docs/linear_loss.md).
+#: cubins' resource usage (tests/test_triton_compile.py checks it; ``python -m
+#: tools.sm90_tiles`` prints the search over 32-128 tokens x 64-128 vocabulary x 32-64
+#: hidden x 4-8 warps).
 #: Not yet timed on a GPU (issue 30). float64 sums its products on the CUDA cores (no
 #: float64 ``tl.dot`` on sm_90 in Triton 3.6): small tiles.
 GPU_BLOCKS: dict[torch.dtype, Blocks] = {
