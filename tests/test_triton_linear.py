@@ -32,6 +32,7 @@ from test_linear_loss import (
 
 import dapo_ops as d
 from dapo_ops import testing
+from dapo_ops.logprobs._triton_linear import INTERPRET_BLOCKS
 from dapo_ops.objectives import OBJECTIVES
 
 # slow: Triton's interpreter (README's fast subset, -m "not slow and not distributed", leaves it out)
@@ -179,3 +180,19 @@ def test_backend_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
         d.fused_logprobs_entropy(p["hidden"], p["weight"], p["tokens"], backend="triton")
     auto = d.linear_policy_loss(*args)  # "auto": the chunked path on CPU
     assert torch.equal(auto, d.linear_policy_loss(*args, backend="chunked"))
+
+
+def test_tile_sweep_runs_both_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/tile_sweep.py (a GPU session's tile timing) calls the kernels as they are
+    today: its two passes run here, under the interpreter, with the timer stubbed."""
+    sweep = pytest.importorskip("benchmarks.tile_sweep", reason="run from the repository root")
+    calls: list[object] = []
+    monkeypatch.setattr(sweep, "_time", lambda fn, repeats: (calls.append(fn()), 0.0)[1])
+    h, w = torch.randn(20, 16), torch.randn(45, 16)
+    tok = torch.randint(0, 45, (20,))
+    assert sweep._pass_times(h, w, tok, INTERPRET_BLOCKS, 1) == (0.0, 0.0)
+    logp, _, _ = calls[0]  # type: ignore[misc]
+    want = torch.log_softmax(h @ w.T, dim=-1).gather(1, tok[:, None])[:, 0]
+    assert torch.allclose(logp, want, atol=1e-5)
+    gh, gw, gb = calls[1]  # type: ignore[misc]
+    assert gh.shape == h.shape and gw.shape == w.shape and gb is None

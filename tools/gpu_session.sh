@@ -35,7 +35,12 @@ step() {  # step NAME SECONDS COMMAND...: run it under a time limit, log under $
 }
 
 [ "${TESTS_S:-150}" = 0 ] || step tests "${TESTS_S:-150}" $py -m pytest -q -p no:cacheprovider -rs -k cuda \
-  tests/test_cuda.py tests/test_logprobs.py tests/test_compiled.py
+  tests/test_cuda.py tests/test_logprobs.py tests/test_compiled.py tests/test_compiled_loss.py
+
+# The linear kernels' spill-free tiles timed side by side (bf16, 2048x896x32000): the
+# next choice of GPU_BLOCKS (benchmarks/tile_sweep.py; TILES_S=0 skips it).
+[ "${TILES_S:-90}" = 0 ] || { step tiles "${TILES_S:-90}" $py -m benchmarks.tile_sweep; \
+  grep -E "^[0-9]|ms" "$OUT/tiles.log" | head -30; }
 
 cp docs/benchmarks.json "$OUT/benchmarks.json"
 for suite in linear loss logprobs; do
