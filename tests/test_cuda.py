@@ -242,6 +242,31 @@ def test_triton_low_precision_within_derived_bounds(dtype: torch.dtype) -> None:
 
 
 @CUDA
+def test_triton_bf16_weight_gradient_needs_no_float32_copy() -> None:
+    """backend='triton' with bfloat16 weights, vocab 151936 x d 896 (a float32 weight
+    gradient would be 519 MiB): the extra peak of one fwd+bwd is the bfloat16 gradients,
+    the float32 ``dh`` accumulator, the persistent kernel's float32 rows (a program per
+    multiprocessor, 64 x d each) and 16 MiB for the per-token vectors and the allocator."""
+    n, dim, vocab = 1024, 896, 151936
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    h = torch.randn(2, n // 2, dim, device=DEV, generator=gen).bfloat16().requires_grad_(True)
+    w = (torch.randn(vocab, dim, device=DEV, generator=gen) * dim**-0.5).bfloat16()
+    w.requires_grad_(True)
+    tokens = torch.randint(0, vocab, (2, n // 2), device=DEV, generator=gen)
+    old = -torch.rand(2, n // 2, device=DEV, generator=gen) * 10
+    adv, mask = torch.randn(2, device=DEV, generator=gen), tokens % 10 != 0
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    d.linear_policy_loss(h, w, tokens, old, adv, mask, backend="triton").backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    budget = (vocab + n) * dim * 2 + n * dim * 4 + sms * 64 * dim * 4 + 16 * 2**20
+    assert extra <= budget, f"extra peak {extra / 2**20:.0f} MiB > {budget / 2**20:.0f} MiB"
+
+
+@CUDA
 def test_linear_extra_memory_is_the_gradients_plus_one_chunk() -> None:
     """Extra peak of one fwd+bwd (``max_memory_allocated``, inputs excluded) at 4096
     tokens x vocab 32000 (the float32 logits: 500 MiB): the weight and hidden gradients,

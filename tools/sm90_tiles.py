@@ -70,7 +70,8 @@ def linear_types(dtype: torch.dtype) -> dict[str, str]:
     name = NAMES[dtype]
     acc = "fp64" if dtype == torch.float64 else "fp32"
     types = {f"{n}_ptr": f"*{name}" for n in ("h", "w", "b")}
-    types |= {f"{n}_ptr": f"*{acc}" for n in ("logp", "ent", "lse", "a", "bb", "gh", "gw", "gb")}
+    types |= {f"{n}_ptr": f"*{acc}" for n in ("logp", "ent", "lse", "a", "bb", "gh", "gb", "scr")}
+    types["gw_ptr"] = f"*{name}"  # the weight gradient in the weight's dtype
     return types | {"tok_ptr": "*i64", "valid_ptr": "*i8", "temp": "fp32", "cap": "fp32"}
 
 
@@ -84,7 +85,14 @@ def linear_kernels(
     flags |= {"UPCAST": False, "ACC": tl.float64 if dtype == torch.float64 else tl.float32}
     flags |= dict(zip(("BT", "BV", "BD"), tiles, strict=True))
     types = linear_types(dtype)
-    return {n: compile_h100(getattr(ks, n), types, flags | x, warps) for n, x in LINEAR}
+    # a low-precision weight accumulates its gradient in float32 rows of its own
+    scratch = {"SCRATCH": dtype in (torch.bfloat16, torch.float16)}
+    return {
+        n: compile_h100(
+            getattr(ks, n), types, flags | x | (scratch if n == "bwd_weight" else {}), warps
+        )
+        for n, x in LINEAR
+    }
 
 
 def _row(dtype: torch.dtype, tiles: tuple[int, int, int], warps: int) -> str:

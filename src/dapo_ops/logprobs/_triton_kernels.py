@@ -190,40 +190,60 @@ def bwd_hidden(h_ptr, w_ptr, b_ptr, tok_ptr, valid_ptr, lse_ptr, ent_ptr, a_ptr,
                         mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
             at = gh_ptr + rows[:, None] * D + ks[None, :]
             both = ok[:, None] & k_ok[None, :]
-            acc = tl.load(at, mask=both, other=0.0)
+            acc = tl.load(at, mask=both & (v0 > 0), other=0.0)  # the first tile from 0
             tl.store(at, _dot(g, w, acc, UPCAST, ACC), mask=both)
             tl.debug_barrier()  # this program's next read of the same rows sees it
 
 
 @triton.jit
 def bwd_weight(h_ptr, w_ptr, b_ptr, tok_ptr, valid_ptr, lse_ptr, ent_ptr, a_ptr, bb_ptr,
-               gw_ptr, gb_ptr, N, V, D, temp, cap, HAS_BIAS: tl.constexpr,
+               gw_ptr, gb_ptr, scr_ptr, N, V, D, NPROG, temp, cap, HAS_BIAS: tl.constexpr,
                HAS_VALID: tl.constexpr, HAS_B: tl.constexpr, HAS_CAP: tl.constexpr,
-               NEED_W: tl.constexpr,
-               NEED_BIAS: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
+               NEED_W: tl.constexpr, NEED_BIAS: tl.constexpr, SCRATCH: tl.constexpr,
+               UPCAST: tl.constexpr, ACC: tl.constexpr,
                BT: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr):  # fmt: skip
-    cols = tl.program_id(0).to(tl.int64) * BV + tl.arange(0, BV)
-    col_ok = cols < V
-    col_sum = tl.full([BV], 0.0, ACC)
-    for t0 in range(0, N, BT):
-        rows, ok, live, tok = _rows(t0, N, tok_ptr, valid_ptr, BT, HAS_VALID)
-        z, t = _scaled(_tile(h_ptr, w_ptr, b_ptr, rows, live, cols, col_ok, D,
-                             HAS_BIAS, UPCAST, ACC, BT, BV, BD), temp, cap, HAS_CAP)  # fmt: skip
-        g = _grad(z, t, rows, ok, live, tok, cols, col_ok, lse_ptr, ent_ptr, a_ptr, bb_ptr,
-                  temp, HAS_B, HAS_CAP).to(w_ptr.dtype.element_ty)  # fmt: skip
-        if NEED_BIAS:
-            col_sum += _sum(g.to(ACC), 0)
-        if NEED_W:
-            gt = tl.trans(g)
+    """Persistent: program ``p`` of ``NPROG`` takes vocabulary blocks ``p, p + NPROG, ...``
+    and accumulates each block's ``dW`` rows over the token tiles, in the weight gradient
+    itself when it has the compute dtype, else (``SCRATCH``) in its own float32 rows
+    ``scr[p]``, written out in the weight's dtype when the block is done."""
+    pid = tl.program_id(0)
+    lanes = tl.arange(0, BV).to(tl.int64)
+    own = scr_ptr + pid.to(tl.int64) * BV * D
+    for v0 in range(pid * BV, V, NPROG * BV):
+        cols = v0 + lanes
+        col_ok = cols < V
+        col_sum = tl.full([BV], 0.0, ACC)
+        for t0 in range(0, N, BT):
+            rows, ok, live, tok = _rows(t0, N, tok_ptr, valid_ptr, BT, HAS_VALID)
+            z, t = _scaled(_tile(h_ptr, w_ptr, b_ptr, rows, live, cols, col_ok, D,
+                                 HAS_BIAS, UPCAST, ACC, BT, BV, BD), temp, cap, HAS_CAP)  # fmt: skip
+            g = _grad(z, t, rows, ok, live, tok, cols, col_ok, lse_ptr, ent_ptr, a_ptr,
+                      bb_ptr, temp, HAS_B, HAS_CAP).to(w_ptr.dtype.element_ty)  # fmt: skip
+            if NEED_BIAS:
+                col_sum += _sum(g.to(ACC), 0)
+            if NEED_W:
+                gt = tl.trans(g)
+                for k0 in range(0, D, BD):
+                    ks = k0 + tl.arange(0, BD)
+                    k_ok = ks < D
+                    h = tl.load(h_ptr + rows[:, None] * D + ks[None, :],
+                                mask=live[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+                    if SCRATCH:
+                        at = own + lanes[:, None] * D + ks[None, :]
+                    else:
+                        at = gw_ptr + cols[:, None] * D + ks[None, :]
+                    both = col_ok[:, None] & k_ok[None, :]
+                    # the first token tile starts from 0: no zeroed buffer needed
+                    acc = tl.load(at, mask=both & (t0 > 0), other=0.0)
+                    tl.store(at, _dot(gt, h, acc, UPCAST, ACC), mask=both)
+                    tl.debug_barrier()  # this program's next read of the same rows sees it
+        if NEED_W and SCRATCH:  # the block's rows, rounded once to the weight's dtype
             for k0 in range(0, D, BD):
                 ks = k0 + tl.arange(0, BD)
-                k_ok = ks < D
-                h = tl.load(h_ptr + rows[:, None] * D + ks[None, :],
-                            mask=live[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-                at = gw_ptr + cols[:, None] * D + ks[None, :]
-                both = col_ok[:, None] & k_ok[None, :]
-                acc = tl.load(at, mask=both, other=0.0)
-                tl.store(at, _dot(gt, h, acc, UPCAST, ACC), mask=both)
-                tl.debug_barrier()
-    if NEED_BIAS:
-        tl.store(gb_ptr + cols, col_sum, mask=col_ok)
+                both = col_ok[:, None] & (ks < D)[None, :]
+                acc = tl.load(own + lanes[:, None] * D + ks[None, :], mask=both, other=0.0)
+                tl.store(gw_ptr + cols[:, None] * D + ks[None, :],
+                         acc.to(gw_ptr.dtype.element_ty), mask=both)  # fmt: skip
+            tl.debug_barrier()  # the next block's first tile overwrites these rows
+        if NEED_BIAS:
+            tl.store(gb_ptr + cols, col_sum, mask=col_ok)

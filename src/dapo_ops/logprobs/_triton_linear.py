@@ -6,7 +6,8 @@ defined then, once per mode (compiled, or Triton's interpreter under
 ``TRITON_INTERPRET=1``, which runs them on CPU tensors). Three kernels, each over tiles of
 the logits ``z = (h W^T + b) / T`` (``c tanh((h W^T + b) / c) / T`` with a final-logit
 cap ``c``) formed on chip (``tl.dot`` over ``BLOCK_D`` slices of
-the hidden dimension, products accumulated in float32, float64 for float64 inputs):
+the hidden dimension, products accumulated in float32; float64 inputs sum their
+products on the CUDA cores, as Triton 3.6 has no float64 ``tl.dot`` for ``sm_90``):
 
 - :func:`forward_stats` (pass 1): per block of ``BLOCK_T`` tokens, a loop over the
   vocabulary tiles keeping the online max ``m``, ``s0 = sum e^{z-m}``,
@@ -16,10 +17,13 @@ the hidden dimension, products accumulated in float32, float64 for float64 input
   chip, ``G = (a (delta_y - p) - b p (log p + H)) / T`` (``a``, ``b``: the upstream
   gradients of ``logp`` and ``H`` per token; times ``1 - tanh^2`` with a cap); one per
   token block accumulates
-  ``dh = G W`` over the vocabulary tiles, one per vocabulary block accumulates
-  ``dW = G^T h`` and ``db = G^T 1`` over the token tiles. Each program owns its rows of
-  the result (a float32 buffer it reads and writes, ordered by a barrier): no atomics,
-  the same bits on every run.
+  ``dh = G W`` over the vocabulary tiles (a float32 buffer, rounded to the input dtype
+  after); a persistent one, a program per multiprocessor taking every ``P``-th
+  vocabulary block, accumulates ``dW = G^T h`` and ``db = G^T 1`` over the token tiles,
+  in the weight gradient itself (float32/float64 weights) or in float32 rows of its own
+  written out, rounded once, when the block is done (bfloat16/float16: no float32
+  ``vocab x d`` buffer). Each program owns its rows of the result (read and written in
+  turn, ordered by a barrier): no atomics, the same bits on every run.
 
 ``G`` is rounded to the input dtype before its two matmuls (bfloat16 tensor cores), as
 the chunked path does. Token rows with ``valid`` false are read as zeros and get a zero
@@ -29,6 +33,7 @@ gradient row. The derivation: ``docs/linear_loss.md``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -56,8 +61,8 @@ class Blocks:
 #: Not yet timed on a GPU (issue 30). float64 sums its products on the CUDA cores (no
 #: float64 ``tl.dot`` on sm_90 in Triton 3.6): small tiles.
 GPU_BLOCKS: dict[torch.dtype, Blocks] = {
-    torch.bfloat16: Blocks(128, 64, 32, 8),
-    torch.float16: Blocks(128, 64, 32, 8),
+    torch.bfloat16: Blocks(64, 64, 32, 8),
+    torch.float16: Blocks(64, 64, 32, 8),
     torch.float32: Blocks(64, 64, 32, 8),
     torch.float64: Blocks(16, 32, 16, 8),
 }
@@ -134,10 +139,14 @@ def backward_grads(
     ``scale = (temperature, softcap or None)``."""
     n, vocab, dim = h.shape[0], w.shape[0], w.shape[1]
     cdt = torch.float64 if h.dtype == torch.float64 else torch.float32
-    gh = h.new_zeros((n, dim), dtype=cdt) if need[0] else None
-    gw = w.new_zeros((vocab, dim), dtype=cdt) if need[1] else None
-    gb = w.new_zeros(vocab, dtype=cdt) if need[2] else None
-    if n and any(need):
+    if not n:  # no token: zero gradients (no kernel runs)
+        return tuple(x.new_zeros(shape) if want else None  # type: ignore[return-value]
+                     for x, shape, want in ((h, h.shape, need[0]), (w, w.shape, need[1]),
+                                            (w, (vocab,), need[2])))  # fmt: skip
+    gh = h.new_empty((n, dim), dtype=cdt) if need[0] else None
+    gw = w.new_empty((vocab, dim)) if need[1] else None  # in the weight's dtype
+    gb = w.new_empty(vocab, dtype=cdt) if need[2] else None
+    if any(need):
         lse, ent, a, b_vec = stats
         ks, meta, b = _common(h, blocks)
         args = (h, w, h if bias is None else bias, tok, tok if valid is None else valid,
@@ -148,8 +157,30 @@ def backward_grads(
         if gh is not None:
             ks.bwd_hidden[_grid(n, b.tokens)](*args, gh, n, vocab, dim, temp, cap, **flags)
         if gw is not None or gb is not None:
-            ks.bwd_weight[_grid(vocab, b.vocab)](
-                *args, h if gw is None else gw, h if gb is None else gb, n, vocab, dim,
-                temp, cap, NEED_W=gw is not None, NEED_BIAS=gb is not None, **flags,
+            programs = min(_grid(vocab, b.vocab)[0], _programs(h.device))
+            scratch = gw is not None and gw.dtype != cdt
+            scr = h.new_empty((programs, b.vocab, dim) if scratch else (0,), dtype=cdt)
+            ks.bwd_weight[(programs,)](
+                *args, h if gw is None else gw, h if gb is None else gb, scr, n, vocab, dim,
+                programs, temp, cap, NEED_W=gw is not None, NEED_BIAS=gb is not None,
+                SCRATCH=scratch, **flags,
             )  # fmt: skip
-    return tuple(None if g is None else g.to(h.dtype) for g in (gh, gw, gb))  # type: ignore[return-value]
+    return (
+        None if gh is None else gh.to(h.dtype),
+        gw,
+        None if gb is None else gb.to(w.dtype),
+    )
+
+
+def _programs(device: torch.device) -> int:
+    """Programs of the persistent weight-gradient kernel: one per streaming multiprocessor
+    (one program fills one at these tiles); 2 under the interpreter, so that tests give a
+    program several vocabulary blocks."""
+    if device.type != "cuda":
+        return 2
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
