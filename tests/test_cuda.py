@@ -135,7 +135,7 @@ def test_triton_loss_within_the_float64_bounds(cls: type, mode: str) -> None:
     inputs: a float32 loss and a bfloat16 gradient; the same bits on a second call and
     the ticket counter back at 0."""
     objective = cls()
-    b = make_batch(objective, 7, 4133, seed=9, dtype=torch.float32)  # 3 chunks, ragged
+    b = make_batch(objective, 7, 4133, seed=9, dtype=torch.float32)  # 5 chunks, ragged
     opts = extras(b, True)
     ref = reference_with_bounds(objective, b, mode=mode, **opts)
     g, dev_opts = on(DEV, b), to(DEV, opts)
