@@ -361,3 +361,58 @@ def test_inputs_changed_in_place_are_refused() -> None:
     _close64(
         (g.detach().sum(), g.detach()), (want.sum(), want), "double backward, tensor normaliser"
     )
+
+
+#: ATen ops that allocate or re-describe memory without launching a kernel on a GPU.
+NO_KERNEL = {"aten.empty.memory_format", "aten.view.default", "aten.view.dtype",
+             "aten.detach.default", "aten.alias.default", "aten.unsqueeze.default",
+             "aten.expand.default", "aten._unsafe_view.default", "aten.as_strided.default"}  # fmt: skip
+
+
+def test_a_step_is_three_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``loss.backward()`` step launches the forward kernel, autograd's seed of the
+    incoming gradient (``ones_like``) and the backward kernel, and no other operation that
+    runs a kernel: every ATen op of the step, recorded outside the two Triton launches, is
+    an allocation or a view. (Issue 30's target on a GPU: at most 3 launches.)"""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dapo_ops._core._triton import load_kernels
+
+    launches: list[str] = []
+    ops: list[str] = []
+    inside = [False]
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if not inside[0]:
+                ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    class Counted:
+        def __init__(self, name: str, kernel: Any) -> None:
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid: Any) -> Any:
+            def launch(*args: Any, **kw: Any) -> Any:
+                launches.append(self.name)
+                inside[0] = True  # the interpreter's own tensor work is the kernel's
+                try:
+                    return self.kernel[grid](*args, **kw)
+                finally:
+                    inside[0] = False
+
+            return launch
+
+    ks = load_kernels("dapo_ops.engine._triton_loss_kernels", True)
+    for name in ("loss_forward", "loss_backward"):
+        monkeypatch.setattr(ks, name, Counted(name, getattr(ks, name)))
+    x = _batch(4, 19, dtype=torch.float32, seed=16)
+    fn = d.CompiledPolicyLoss(d.ClipHigher(dual_clip=3.0), backend="triton")
+    lp = x["logp"].clone().requires_grad_(True)
+    with d.checked(False):  # as users run it: checked mode reads values on the host
+        fn(lp, x["old_logp"], x["advantages"], x["mask"]).backward()  # builds the kernel
+        lp.grad, launches[:] = None, []
+        with Record():
+            fn(lp, x["old_logp"], x["advantages"], x["mask"]).backward()
+    assert launches == ["loss_forward", "loss_backward"]
+    assert [op for op in ops if op not in NO_KERNEL] == ["aten.ones_like.default"], ops
