@@ -164,7 +164,7 @@ def loss_forward(
     ``part``; the last program to finish (a ticket on ``sem``) reduces ``part`` in a fixed
     order, writes the loss and the aggregation weights and resets the ticket."""
     pid = tl.program_id(0)
-    row = pid // C
+    row = (pid // C).to(tl.int64)  # row * stride may pass 2^31
     offs = (pid % C) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < T
     m = tl.load(valid_ptr + row * s_valid + offs, mask=ok, other=0) != 0
@@ -266,7 +266,7 @@ def loss_backward(u_ptr, scale_ptr, go_ptr, out_ptr, T, C, s_out, PER_ROW: tl.co
                   COMPUTE: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """``d loss / d logp = u * (w_row * grad_out)``, in the dtype of ``out``."""
     pid = tl.program_id(0)
-    row = pid // C
+    row = (pid // C).to(tl.int64)
     offs = (pid % C) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < T
     w = tl.load(scale_ptr + row * PER_ROW) * tl.load(go_ptr).to(COMPUTE)
