@@ -188,8 +188,9 @@ def test_tile_sweep_runs_both_passes(monkeypatch: pytest.MonkeyPatch) -> None:
     sweep = pytest.importorskip("benchmarks.tile_sweep", reason="run from the repository root")
     calls: list[object] = []
     monkeypatch.setattr(sweep, "_time", lambda fn, repeats: (calls.append(fn()), 0.0)[1])
-    h, w = torch.randn(20, 16), torch.randn(45, 16)
-    tok = torch.randint(0, 45, (20,))
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(20, 16, generator=g), torch.randn(45, 16, generator=g)
+    tok = torch.randint(0, 45, (20,), generator=g)
     assert sweep._pass_times(h, w, tok, INTERPRET_BLOCKS, 1) == (0.0, 0.0)
     logp, _, _ = calls[0]  # type: ignore[misc]
     want = torch.log_softmax(h @ w.T, dim=-1).gather(1, tok[:, None])[:, 0]

@@ -4,10 +4,11 @@ forward and one backward.
 Run on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``, per test), where
 a program covers 8 tokens and the final reduction 4 rows, so the shapes here (seq 1 to 19,
 up to 7 rows) cross chunk and row-block edges. Float64 against the engine's float64 result
-(``testing.F64_RTOL``); float32 with a KL penalty and IS weights within the bounds of
-``dapo_ops.testing.reference_with_bounds`` (``check_compiled_policy_loss``), for every
-objective with a Triton term and every aggregation mode. The same run on a GPU:
-tests/test_cuda.py.
+(``testing.F64_RTOL``): every objective with a Triton term, every KL form, and a
+hypothesis property over all the options together; float32 with a KL penalty and IS
+weights within the bounds of ``dapo_ops.testing.reference_with_bounds``
+(``check_compiled_policy_loss``), every objective in two modes. The same checks on a GPU:
+tests/test_cuda.py; the kernels compiled for one: tests/test_triton_compile.py.
 """
 
 from __future__ import annotations
@@ -92,9 +93,9 @@ def _split(x: dict[str, Any], keys: tuple[str, ...]) -> tuple[dict[str, Any], di
 
 
 KL_CASES = [
-    d.KLPenalty(beta=0.04, estimator=e, clamp=c, straight_through=st)
+    d.KLPenalty(beta=0.04, estimator=e, clamp=c, straight_through=through)
     for e in ("k1", "k2", "k3", "abs")
-    for c, st in ((None, False), (0.05, False), (None, True))
+    for c, through in ((None, False), (0.05, False), (None, True))
 ]
 
 
@@ -163,15 +164,16 @@ def test_every_objective_float32_within_bounds(objective: d.Objective) -> None:
 def test_kl_estimators_weights_and_normalizers(kl: d.KLPenalty) -> None:
     """Every estimator, clamp and straight-through form, with IS and KL weights, per-token
     advantages and the normaliser as an integer, a non-integer float and a 0-dim tensor."""
-    x = _batch(4, 13, seed=len(repr(kl)))
-    x["advantages"] = x["advantages"][:, None] * torch.rand(4, 13, dtype=F64)
+    i = KL_CASES.index(kl)
+    x = _batch(4, 13, seed=i)
+    g = torch.Generator().manual_seed(i)
+    x["advantages"] = x["advantages"][:, None] * torch.rand(4, 13, generator=g, dtype=F64)
     fn = d.CompiledPolicyLoss(d.ClipHigher(), kl=kl, backend="triton")
-    forms = (None, 37, 40.5, torch.tensor(29.0, dtype=F64))
-    for normalizer in (forms[KL_CASES.index(kl) % 4],):  # in turn (all: the property)
-        kw = {"ref_logp": x["ref_logp"], "is_weights": x["is_weights"],
-              "kl_weights": x["kl_weights"], "normalizer": normalizer}  # fmt: skip
-        got = _run(fn, x, **kw)
-        _close64(got, _engine(d.ClipHigher(), x, kl=kl, **kw), f"{kl!r} normalizer={normalizer!r}")
+    normalizer = (None, 37, 40.5, torch.tensor(29.0, dtype=F64))[i % 4]  # all: the property
+    kw = {"ref_logp": x["ref_logp"], "is_weights": x["is_weights"],
+          "kl_weights": x["kl_weights"], "normalizer": normalizer}  # fmt: skip
+    got = _run(fn, x, **kw)
+    _close64(got, _engine(d.ClipHigher(), x, kl=kl, **kw), f"{kl!r} normalizer={normalizer!r}")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -300,8 +302,11 @@ def test_deterministic_and_counter_reset() -> None:
 
 @pytest.mark.parametrize("shape", [(0, 5), (3, 0), (2, 1)])
 def test_empty_and_degenerate_shapes(shape: tuple[int, int]) -> None:
-    x = {"logp": -torch.rand(shape, dtype=F64), "old_logp": -torch.rand(shape, dtype=F64),
-         "advantages": torch.randn(shape[0], dtype=F64), "mask": torch.ones(shape, dtype=torch.bool)}  # fmt: skip
+    g = torch.Generator().manual_seed(17)
+    x = {"logp": -torch.rand(shape, generator=g, dtype=F64),
+         "old_logp": -torch.rand(shape, generator=g, dtype=F64),
+         "advantages": torch.randn(shape[0], generator=g, dtype=F64),
+         "mask": torch.ones(shape, dtype=torch.bool)}  # fmt: skip
     for mode in testing.MODES:
         fn = d.CompiledPolicyLoss(d.ClipHigher(), mode=mode, backend="triton")  # type: ignore[arg-type]
         _close64(_run(fn, x), _engine(d.ClipHigher(), x, mode=mode), f"{shape} {mode}")
