@@ -241,6 +241,25 @@ def test_triton_low_precision_within_derived_bounds(dtype: torch.dtype) -> None:
         assert_within(x.cpu(), y, e, f"{dtype} d {name}")
 
 
+def _extra_peak(rows: int, n: int, dim: int, vocab: int, dtype: torch.dtype, **opts: Any) -> int:
+    """Extra peak bytes (``max_memory_allocated``, inputs excluded) of one fwd+bwd of
+    ``linear_policy_loss`` over ``n`` tokens in ``rows`` rows."""
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    h = torch.randn(rows, n // rows, dim, device=DEV, generator=gen).to(dtype)
+    w = (torch.randn(vocab, dim, device=DEV, generator=gen) * dim**-0.5).to(dtype)
+    h.requires_grad_(True)
+    w.requires_grad_(True)
+    tokens = torch.randint(0, vocab, (rows, n // rows), device=DEV, generator=gen)
+    old = -torch.rand(rows, n // rows, device=DEV, generator=gen) * 10
+    adv, mask = torch.randn(rows, device=DEV, generator=gen), tokens % 10 != 0
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    d.linear_policy_loss(h, w, tokens, old, adv, mask, **opts).backward()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
 @CUDA
 def test_triton_bf16_weight_gradient_needs_no_float32_copy() -> None:
     """backend='triton' with bfloat16 weights, vocab 151936 x d 896 (a float32 weight
@@ -248,19 +267,7 @@ def test_triton_bf16_weight_gradient_needs_no_float32_copy() -> None:
     the float32 ``dh`` accumulator, the persistent kernel's float32 rows (a program per
     multiprocessor, 64 x d each) and 16 MiB for the per-token vectors and the allocator."""
     n, dim, vocab = 1024, 896, 151936
-    gen = torch.Generator(device=DEV).manual_seed(0)
-    h = torch.randn(2, n // 2, dim, device=DEV, generator=gen).bfloat16().requires_grad_(True)
-    w = (torch.randn(vocab, dim, device=DEV, generator=gen) * dim**-0.5).bfloat16()
-    w.requires_grad_(True)
-    tokens = torch.randint(0, vocab, (2, n // 2), device=DEV, generator=gen)
-    old = -torch.rand(2, n // 2, device=DEV, generator=gen) * 10
-    adv, mask = torch.randn(2, device=DEV, generator=gen), tokens % 10 != 0
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    d.linear_policy_loss(h, w, tokens, old, adv, mask, backend="triton").backward()
-    torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - base
+    extra = _extra_peak(2, n, dim, vocab, torch.bfloat16, backend="triton")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     budget = (vocab + n) * dim * 2 + n * dim * 4 + sms * 64 * dim * 4 + 16 * 2**20
     assert extra <= budget, f"extra peak {extra / 2**20:.0f} MiB > {budget / 2**20:.0f} MiB"
@@ -273,18 +280,7 @@ def test_linear_extra_memory_is_the_gradients_plus_one_chunk() -> None:
     one chunk's float32 logits and their gradient (``chunk_size=1024`` rows), 8 MiB of
     scratch, and 10 % for the allocator's rounding and the small per-token tensors."""
     n, dim, vocab, chunk = 4096, 256, 32000, 1024
-    gen = torch.Generator(device=DEV).manual_seed(0)
-    h = torch.randn(4, n // 4, dim, device=DEV, generator=gen).requires_grad_(True)
-    w = (torch.randn(vocab, dim, device=DEV, generator=gen) * dim**-0.5).requires_grad_(True)
-    tokens = torch.randint(0, vocab, (4, n // 4), device=DEV, generator=gen)
-    old = -torch.rand(4, n // 4, device=DEV, generator=gen) * 10
-    adv, mask = torch.randn(4, device=DEV, generator=gen), tokens % 10 != 0
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    d.linear_policy_loss(h, w, tokens, old, adv, mask, chunk_size=chunk).backward()
-    torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - base
+    extra = _extra_peak(4, n, dim, vocab, torch.float32, chunk_size=chunk)
     budget = 1.1 * ((vocab + n) * dim * 4 + 2 * chunk * vocab * 4 + 8 * 2**20)
     assert extra <= budget, f"extra peak {extra / 2**20:.0f} MiB > {budget / 2**20:.0f} MiB"
     assert extra < n * vocab * 4, "as much as the whole logits: not chunked"
