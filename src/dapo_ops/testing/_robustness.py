@@ -79,7 +79,10 @@ def check_compiled_policy_loss(
     """:class:`~dapo_ops.CompiledPolicyLoss` (the body exported once and compiled ahead of
     time) gives a loss and gradient within :func:`reference_with_bounds`, with a KL penalty
     and IS weights (``kl_and_is_weights=False``: without). An objective without an
-    analytic ``grad`` is refused by it with ``InputError``, which this check expects."""
+    analytic ``grad`` is refused by it with ``InputError``, which this check expects.
+    ``backend``: ``CompiledPolicyLoss.backend`` (``"inductor"``, ``"eager"``, or
+    ``"triton"`` for an objective with a Triton term, on CUDA or under Triton's
+    interpreter)."""
     from dapo_ops.engine.compiled_loss import CompiledPolicyLoss
 
     if type(objective).grad is Objective.grad:
