@@ -8,8 +8,8 @@ kernels' arithmetic in numpy; it does not apply the compiled language's rules: w
 ``sm_90``, and the PTX is checked for what the design relies on: bfloat16 tiles on the
 tensor cores (``wgmma``) with ``input_precision="ieee"``; float64 without a ``tl.dot``
 (Triton 3.6 cannot lower a float64 dot for ``sm_90``); the policy loss's forward with
-exactly one atomic, an integer ticket, and no floating-point atomics (its sums are
-reduced in a fixed order); and the cubins' resource usage shows no register spilled to
+no atomics but the integer ticket and its reset, none on floats (its sums are reduced in
+a fixed order); and the cubins' resource usage shows no register spilled to
 local memory at the tiles a GPU runs (``GPU_BLOCKS``). Skipped where Triton has no
 CUDA backend.
 """
@@ -75,8 +75,8 @@ def _loss_cases() -> list[tuple[int, int, int, int]]:
 @pytest.mark.parametrize("dtype", ["fp32", "fp64"])
 def test_policy_loss_kernels_compile_for_sm90(dtype: str) -> None:
     """Every objective's term (with a KL estimator, IS and KL weights, each mode and
-    normaliser kind in turn) and the backward for each gradient dtype; the forward's one
-    atomic is the integer ticket."""
+    normaliser kind in turn) and the backward for each gradient dtype; the forward's only
+    atomics are the integer ticket and its reset."""
     ks = load_kernels("dapo_ops.engine._triton_loss_kernels", False)
     names = ("lp", "old", "adv", "ref", "rho", "kappa", "prm", "den", "u", "part", "loss", "scale")
     types = {f"{n}_ptr": f"*{dtype}" for n in names}
