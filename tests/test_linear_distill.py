@@ -183,16 +183,23 @@ def test_gradcheck(opts: dict[str, Any]) -> None:
     assert torch.autograd.gradgradcheck(fn, leaves)  # double backward: the definition
 
 
-@pytest.mark.parametrize("topk", [False, True, "bucket", "renormalize"])
-def test_masked_garbage_changes_nothing_bitwise(topk: bool | str) -> None:
-    p = problem(4, torch.float32)
+def dirtied(p: dict[str, Any], logp: str, ids: str) -> dict[str, Any]:
+    """A copy of ``p`` with NaN / inf / -100 at every masked position of the hidden states,
+    the teacher's logits, its top-k log-probs (``logp``) and ids (``ids``), the IS weights."""
     dirty = {k: v.clone() for k, v in p.items()}
     off = ~p["mask"]
     dirty["hidden"][off] = float("nan")
     dirty["teacher"][off] = float("inf")
-    dirty["topk_logp"][off] = float("nan")
-    dirty["ids"][off] = -100
+    dirty[logp][off] = float("nan")
+    dirty[ids][off] = -100
     dirty["is_weights"][off] = float("nan")
+    return dirty
+
+
+@pytest.mark.parametrize("topk", [False, True, "bucket", "renormalize"])
+def test_masked_garbage_changes_nothing_bitwise(topk: bool | str) -> None:
+    p = problem(4, torch.float32)
+    dirty = dirtied(p, "topk_logp", "ids")
     opts: dict[str, Any] = {"teacher_ids": True} if topk else {"kind": "jsd", "bias": True}
     opts["is_weights"] = True
     if isinstance(topk, str):

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_linear_distill import TOL, B, S, V, problem
+from test_linear_distill import TOL, B, S, V, dirtied, problem
 
 import dapo_ops as d
 from dapo_ops._core._validate import InputError
@@ -152,13 +152,7 @@ def test_masked_garbage_changes_nothing_bitwise(support: str, tail: str) -> None
     p = padded(23, torch.float32)
     opts: dict[str, Any] = {"kind": "jsd", "beta": 0.3, "topk_tail": tail, "is_weights": True}
     opts.update({"given": True} if support == "given" else {"topk": 2, "topk_support": support})
-    dirty = {k: v.clone() for k, v in p.items()}
-    off = ~p["mask"]
-    dirty["hidden"][off] = float("nan")
-    dirty["teacher"][off] = float("inf")
-    dirty["pad_logp"][off] = float("nan")
-    dirty["pad_ids"][off] = -100
-    dirty["is_weights"][off] = float("nan")
+    dirty = dirtied(p, "pad_logp", "pad_ids")
     clean = _grads(lambda q: _call(q, opts, chunk_size=3), p)
     got = _grads(lambda q: _call(q, opts, chunk_size=3), dirty)
     for x, y in zip(got, clean, strict=True):
