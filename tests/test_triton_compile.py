@@ -7,11 +7,13 @@ kernels' arithmetic in numpy; it does not apply the compiled language's rules: w
 (its bundled ``ptxas``) lowers every kernel, for each input dtype, to a cubin for
 ``sm_90``, and the PTX is checked for what the design relies on: bfloat16 tiles on the
 tensor cores (``wgmma``) with ``input_precision="ieee"``; float64 without a ``tl.dot``
-(Triton 3.6 cannot lower a float64 dot for ``sm_90``); the policy loss's forward with
-no atomics but the integer ticket and its reset, none on floats (its sums are reduced in
-a fixed order); and the cubins' resource usage shows no register spilled to
-local memory at the tiles a GPU runs (``GPU_BLOCKS``). Skipped where Triton has no
-CUDA backend.
+(Triton 3.6 to 3.8 cannot lower an accumulating float64 dot for ``sm_90``); the policy
+loss's forward with no atomics but the integer ticket and its reset, none on floats (its
+sums are reduced in a fixed order); and the cubins' resource usage shows no register
+spilled to local memory at the tiles a GPU runs (``GPU_BLOCKS``). Compiled with the
+library's own launch options (no warning from Triton 3.9 about FP fusion left unset).
+Skipped where Triton has no CUDA backend; ``.ci/triton`` runs it under each supported
+Triton.
 """
 
 from __future__ import annotations
@@ -22,7 +24,12 @@ from typing import Any
 import pytest
 import torch
 
-pytestmark = pytest.mark.slow
+# Triton 3.9 warns when FP fusion is left to its default (launch_options states it)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.triton,
+    pytest.mark.filterwarnings("error:TRITON_DEFAULT_FP_FUSION"),
+]
 triton = pytest.importorskip("triton")
 pytest.importorskip("triton.backends.nvidia")
 

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from _bounds import assert_within
+from _launches import record_launches
 from _strategies import projection_leaves
 from test_linear_loss import (
     CASES,
@@ -36,7 +37,7 @@ from dapo_ops.logprobs._triton_linear import INTERPRET_BLOCKS
 from dapo_ops.objectives import OBJECTIVES
 
 # slow: Triton's interpreter (README's fast subset, -m "not slow and not distributed", leaves it out)
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.triton]
 
 pytest.importorskip("triton")
 F64 = torch.float64
@@ -164,6 +165,18 @@ def test_softcap() -> None:
         return tuple(out)
 
     assert torch.autograd.gradcheck(fn, ((3 * h.detach()).requires_grad_(), w, b), fast_mode=True)
+
+
+def test_launches_state_warps_and_fp_fusion(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fwd+bwd of the linear loss with bias launches pass 1 and both pass-2 kernels,
+    once each, with the warps and FP fusion stated (``launch_options``: Triton 3.9 warns
+    when fusion is left to its default, which Triton 3.10 turns off)."""
+    kernels = ("fwd", "bwd_hidden", "bwd_weight")
+    launches = record_launches(monkeypatch, "dapo_ops.logprobs._triton_kernels", kernels)
+    p = problem(dtype=torch.float32)
+    grads(linear(d.ClipHigher(), p, TRITON), p)  # bias included
+    assert sorted(launches.names) == sorted(kernels)
+    assert all(kw["enable_fp_fusion"] is True and kw["num_warps"] for _, kw in launches.calls)
 
 
 def test_backend_refusals(monkeypatch: pytest.MonkeyPatch) -> None:

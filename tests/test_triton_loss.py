@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from _bounds import round_bound
+from _launches import record_launches
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -26,7 +27,8 @@ import dapo_ops as d
 from dapo_ops import InputError, testing
 from dapo_ops.engine._triton_loss import OBJECTIVES
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("triton_interpreter")]
+pytestmark = [pytest.mark.slow, pytest.mark.triton, pytest.mark.usefixtures("triton_interpreter")]
+KERNELS = "dapo_ops.engine._triton_loss_kernels"
 pytest.importorskip("triton")
 
 F64 = torch.float64
@@ -378,46 +380,28 @@ def test_a_step_is_three_launches(monkeypatch: pytest.MonkeyPatch) -> None:
     """A ``loss.backward()`` step launches the forward kernel, autograd's seed of the
     incoming gradient (``ones_like``) and the backward kernel, and no other operation that
     runs a kernel: every ATen op of the step, recorded outside the two Triton launches, is
-    an allocation or a view. (Issue 30's target on a GPU: at most 3 launches.)"""
+    an allocation or a view. (Issue 30's target on a GPU: at most 3 launches.) Each
+    launch states its warps and FP fusion."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from dapo_ops._core._triton import load_kernels
-
-    launches: list[str] = []
     ops: list[str] = []
-    inside = [False]
+    launches = record_launches(monkeypatch, KERNELS, ("loss_forward", "loss_backward"))
 
     class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            if not inside[0]:
+            if not launches.busy:  # the interpreter's own tensor work is the kernel's
                 ops.append(str(func))
             return func(*args, **(kwargs or {}))
 
-    class Counted:
-        def __init__(self, name: str, kernel: Any) -> None:
-            self.name, self.kernel = name, kernel
-
-        def __getitem__(self, grid: Any) -> Any:
-            def launch(*args: Any, **kw: Any) -> Any:
-                launches.append(self.name)
-                inside[0] = True  # the interpreter's own tensor work is the kernel's
-                try:
-                    return self.kernel[grid](*args, **kw)
-                finally:
-                    inside[0] = False
-
-            return launch
-
-    ks = load_kernels("dapo_ops.engine._triton_loss_kernels", True)
-    for name in ("loss_forward", "loss_backward"):
-        monkeypatch.setattr(ks, name, Counted(name, getattr(ks, name)))
     x = _batch(4, 19, dtype=torch.float32, seed=16)
     fn = d.CompiledPolicyLoss(d.ClipHigher(dual_clip=3.0), backend="triton")
     lp = x["logp"].clone().requires_grad_(True)
     with d.checked(False):  # as users run it: checked mode reads values on the host
         fn(lp, x["old_logp"], x["advantages"], x["mask"]).backward()  # builds the kernel
-        lp.grad, launches[:] = None, []
+        lp.grad, launches.calls[:] = None, []
         with Record():
             fn(lp, x["old_logp"], x["advantages"], x["mask"]).backward()
-    assert launches == ["loss_forward", "loss_backward"]
+    assert launches.names == ["loss_forward", "loss_backward"]
     assert [op for op in ops if op not in NO_KERNEL] == ["aten.ones_like.default"], ops
+    # warps and FP fusion stated at each launch (dapo_ops._core._triton.launch_options)
+    assert all(kw["enable_fp_fusion"] is True and kw["num_warps"] for _, kw in launches.calls)

@@ -26,7 +26,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from dapo_ops._core._triton import load_kernels
+from dapo_ops._core._triton import launch_options, load_kernels
 
 H100 = GPUTarget("cuda", 90, 32)
 NAMES = {
@@ -49,7 +49,7 @@ def compile_h100(
         n: "constexpr" if n in constants else types.get(n, "i32") for n in kernel.arg_names
     }
     src = ASTSource(fn=kernel, signature=signature, constexprs=constants)
-    return triton.compile(src, target=H100, options={"num_warps": warps})
+    return triton.compile(src, target=H100, options=launch_options(warps))
 
 
 def usage(compiled: Any) -> dict[str, int]:

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from dapo_ops._core._rules import AGGREGATION_MODES, compute_dtype
-from dapo_ops._core._triton import interpreting, load_kernels
+from dapo_ops._core._triton import interpreting, launch_options, load_kernels
 from dapo_ops._core._validate import InputError, is_compiling
 from dapo_ops.engine._engine import LossInputs, LossSpec, definition_grad, fused_loss
 from dapo_ops.engine.kl import KL_ESTIMATORS, KLPenalty
@@ -165,7 +165,7 @@ class TritonLoss:
             0 if kappa is None else kappa.stride(0), den_int,
             **self.meta, DEN=den_kind, WITH_GRAD=with_grad,
             COMPUTE=tl.float64 if dt == torch.float64 else tl.float32, BLOCK=block, RB=rows,
-            num_warps=warps,
+            **launch_options(warps),
         )  # fmt: skip
         return loss, u, w
 
@@ -181,7 +181,7 @@ class TritonLoss:
         self.kernels.loss_backward[(batch * chunks,)](
             u, w, grad_out, out, seq, chunks, out.stride(0), PER_ROW=int(self.meta["MODE"] == 1),
             COMPUTE=tl.float64 if u.dtype == torch.float64 else tl.float32, BLOCK=block,
-            num_warps=warps,
+            **launch_options(warps),
         )  # fmt: skip
         return out.to(dtype) if wide else out
 

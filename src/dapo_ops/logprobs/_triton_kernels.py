@@ -53,9 +53,10 @@ def _max(x, axis: tl.constexpr):
 def _dot(a, b, acc, UPCAST: tl.constexpr, ACC: tl.constexpr):
     # UPCAST (interpreter only): its bfloat16 dot is wrong; bfloat16 products are exact
     # in float32, so the float32 dot of the upcast tiles is the same arithmetic.
-    # float64: Triton 3.6 cannot lower a float64 tl.dot for sm_90 (its MMAv2 path asserts
-    # "fp64 don't support largeK MMA"), so the products are summed on the CUDA cores (and
-    # under the interpreter too, so CI runs this branch); small tiles (GPU_BLOCKS).
+    # float64: Triton 3.6 to 3.8 cannot lower these kernels' accumulating float64 tl.dot
+    # for sm_90 (their MMAv2 path asserts "fp64 don't support largeK MMA"; acc + tl.dot(a,
+    # b) is folded into the same form; 3.9 lowers it), so the products are summed on the
+    # CUDA cores (under the interpreter too, so CI runs this branch); small tiles.
     if ACC == tl.float64:  # noqa: SIM300 (ACC is the accumulator's dtype, not a constant)
         return acc + _sum(a[:, :, None].to(ACC) * b[None, :, :].to(ACC), 1)
     if UPCAST:

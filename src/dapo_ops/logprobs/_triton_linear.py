@@ -7,7 +7,8 @@ defined then, once per mode (compiled, or Triton's interpreter under
 the logits ``z = (h W^T + b) / T`` (``c tanh((h W^T + b) / c) / T`` with a final-logit
 cap ``c``) formed on chip (``tl.dot`` over ``BLOCK_D`` slices of
 the hidden dimension, products accumulated in float32; float64 inputs sum their
-products on the CUDA cores, as Triton 3.6 has no float64 ``tl.dot`` for ``sm_90``):
+products on the CUDA cores: Triton 3.6 to 3.8 cannot lower an accumulating float64
+``tl.dot`` for ``sm_90``):
 
 - :func:`forward_stats` (pass 1): per block of ``BLOCK_T`` tokens, a loop over the
   vocabulary tiles keeping the online max ``m``, ``s0 = sum e^{z-m}``,
@@ -39,7 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dapo_ops._core._triton import interpreting, load_kernels
+from dapo_ops._core._triton import interpreting, launch_options, load_kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,12 +55,12 @@ class Blocks:
 
 
 #: On a GPU, per input dtype: the largest tiles whose three kernels compile for an H100
-#: (``sm_90``, Triton 3.6) without spilling registers to local memory, read from the
+#: (``sm_90``, Triton 3.6 to 3.9) without spilling registers to local memory, read from the
 #: cubins' resource usage (tests/test_triton_compile.py checks it; ``python -m
 #: tools.sm90_tiles`` prints the search over 32-128 tokens x 64-128 vocabulary x 32-64
 #: hidden x 4-8 warps).
 #: Not yet timed on a GPU (issue 30). float64 sums its products on the CUDA cores (no
-#: float64 ``tl.dot`` on sm_90 in Triton 3.6): small tiles.
+#: accumulating float64 ``tl.dot`` on sm_90 before Triton 3.9): small tiles.
 GPU_BLOCKS: dict[torch.dtype, Blocks] = {
     torch.bfloat16: Blocks(64, 64, 32, 8),
     torch.float16: Blocks(64, 64, 32, 8),
@@ -86,8 +87,7 @@ def _common(h: Tensor, blocks: Blocks | None) -> tuple[Any, dict[str, Any], Bloc
         "BT": b.tokens,
         "BV": b.vocab,
         "BD": b.dim,
-        "num_warps": b.warps,
-    }
+    } | launch_options(b.warps)
     return ks, meta, b
 
 
