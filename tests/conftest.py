@@ -124,7 +124,9 @@ _unwrap_dataclass_inits()
 
 
 @pytest.fixture
-def triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def triton_interpreter(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[None]:
     """``TRITON_INTERPRET=1`` for one test only (kernel modules are loaded once per mode by
     ``dapo_ops._core._triton.load_kernels``; Triton itself may have been imported in
     either). Triton 3.6's interpreter reads a scalar loop bound with ``int()`` of a
@@ -133,6 +135,9 @@ def triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     ``tl.where`` discards is silenced."""
     import numpy as np
     from triton.runtime import interpreter as interp
+
+    # .ci/triton re-runs `-m triton` under each supported Triton: a kernel test carries it
+    assert request.node.get_closest_marker("triton"), "mark the test pytest.mark.triton"
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     original = interp._patch_lang_tensor

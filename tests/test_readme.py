@@ -73,6 +73,28 @@ def test_supported_versions_are_stated_once_and_agree_with_pyproject() -> None:
     assert versions and min(versions) == floor
 
 
+def test_triton_range_agrees_with_pyproject_and_ci() -> None:
+    """README's Triton range is the test extra's, and CI runs the kernels' tests under one
+    release of every minor version in it (.ci/run installs one, .ci/triton the others)."""
+    text = " ".join((ROOT / "README.md").read_text().split())
+    stated = re.search(r"Triton (\d+)\.(\d+) to (\d+)\.(\d+) ", text)
+    assert stated, "README.md lost its Triton range"
+    major, low, major_hi, high = (int(x) for x in stated.groups())
+    assert major == major_hi
+    extra = next(r for r in _pyproject()["project"]["optional-dependencies"]["test"]
+                 if r.startswith("triton"))  # fmt: skip
+    assert extra.split(";")[0] == f"triton>={major}.{low},<{major}.{high + 1}"
+    ci = (ROOT / ".ci" / "triton").read_text()
+    versions = re.search(r'^VERSIONS="([\d. ]+)"$', ci, re.M)
+    assert versions, ".ci/triton lost its VERSIONS line"
+    minors = sorted(tuple(int(x) for x in v.split(".")[:2]) for v in versions.group(1).split())
+    assert minors == [(major, m) for m in range(low, high + 1)]
+    pinned = re.search(
+        r"pip install -q torch==[\d.]+ triton==([\d.]+)", (ROOT / ".ci" / "run").read_text()
+    )
+    assert pinned and pinned.group(1) in versions.group(1).split()
+
+
 def test_package_index_metadata() -> None:
     project = _pyproject()["project"]
     assert project["authors"] and project["keywords"]
