@@ -20,7 +20,9 @@ def installed(name: str) -> str | None:
 
 
 def peers() -> dict[str, str]:
-    found = {n: installed(n) for n in ("verl", "trl", "liger_kernel", "triton")}
+    found = {
+        n: installed(n) for n in ("verl", "trl", "liger_kernel", "cut_cross_entropy", "triton")
+    }
     return {k: v for k, v in found.items() if v is not None}
 
 

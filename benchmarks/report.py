@@ -250,7 +250,7 @@ def render(data: dict[str, Any]) -> str:
     for device, rows in PENDING.items():
         if device in runs:
             lines += ["", f"Not measured yet on {device}:", ""]
-            lines += [f"- rows named `{text}`: {why}." for text, why in rows]
+            lines += [f"- rows named, or cases sized, `{text}`: {why}." for text, why in rows]
     if "cuda" not in runs:
         lines += [
             "",

@@ -61,8 +61,8 @@ def test_results_cover_the_current_suite(device: str, suite: str) -> None:
         (r["op"], r["size"], r["impl"]) for r in record["results"] if not _peer_row(r["impl"])
     }
     # rows the page lists as not measured yet on this device (benchmarks.pending.PENDING, with why)
-    waiting = {row for row in harness - measured if pending(device, row[2])}
-    assert not {row for row in measured if pending(device, row[2])}, (
+    waiting = {row for row in harness - measured if pending(device, row[2], row[1])}
+    assert not {row for row in measured if pending(device, row[2], row[1])}, (
         "measured now: remove them from benchmarks.pending.PENDING"
     )
     harness -= waiting

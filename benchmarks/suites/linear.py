@@ -21,6 +21,7 @@ import torch
 import dapo_ops as d
 from benchmarks.environment import installed
 from benchmarks.harness import Case, Fn, Impl, Result, Suite, Target
+from benchmarks.suites._linear_gpu import CCE, TRITON, cce_loss, cce_name, no_cce, triton_targets
 from benchmarks.targets import at_most, because, compare
 from dapo_ops.logprobs._fused_linear import WEIGHT_BLOCK_ROWS
 
@@ -119,13 +120,10 @@ def no_triton() -> str | None:
     return None if torch.cuda.is_available() else "backend='triton' runs on CUDA devices only"
 
 
-TRITON = "backend='triton'"
-
-
 def for_device(impls: list[Impl], device: str) -> list[Impl]:
-    """The implementations that belong to a device's suite: the Triton kernels' rows only
-    on CUDA (on a CPU they would be a row that says it cannot run)."""
-    return [i for i in impls if device == "cuda" or TRITON not in i.name]
+    """The implementations that belong to a device's suite: the Triton kernels' and
+    cut-cross-entropy's rows only on CUDA (on a CPU they would say they cannot run)."""
+    return [i for i in impls if device == "cuda" or not (TRITON in i.name or CCE in i.name)]
 
 
 def impls(quick: bool) -> list[Impl]:
@@ -169,6 +167,7 @@ def impls(quick: bool) -> list[Impl]:
             missing=no_triton(),
         ),
         Impl(f"{tag_liger}, eager", "ref", _step(_liger(False)), missing=no_liger),
+        Impl(cce_name(), "ref", _step(cce_loss(_loss)), missing=no_cce()),
     ]
     if not quick:
         out.append(
@@ -203,6 +202,8 @@ GPU_REASON_BF16 = (
 )
 
 SIZES = [(2048, 896, 32000), (1024, 896, 151936)]
+#: On a GPU also issue 30's 7B-scale shape, in bfloat16 only.
+GPU_SIZES = [(8192, 4096, 151936)]
 QUICK_SIZES = [(512, 128, 8192)]
 
 
@@ -221,8 +222,11 @@ def memory_budget(n: int, dim: int, v: int, dtype: torch.dtype, device: str) -> 
 
 def make_cases(quick: bool, device: str) -> list[Case]:
     cases = []
-    for n, dim, v in QUICK_SIZES if quick else SIZES:
-        for dtype in (torch.float32, torch.bfloat16):
+    both, bf16 = (torch.float32, torch.bfloat16), (torch.bfloat16,)
+    sizes = [(s, both) for s in (QUICK_SIZES if quick else SIZES)]
+    sizes += [(s, bf16) for s in GPU_SIZES if device == "cuda" and not quick]
+    for (n, dim, v), dtypes in sizes:
+        for dtype in dtypes:
             name = "fp32" if dtype == torch.float32 else "bf16"
             cases.append(
                 Case(
@@ -281,6 +285,12 @@ def targets(
             )
         )
     out = [_reason(t, results, device) for t in out]
+    if device == "cuda":
+        for c in cases:
+            liger = next(
+                (i.name for i in c.impls if i.name.startswith(LIGER) and "eager" in i.name), ""
+            )
+            out += triton_targets(results, c, NAIVE, liger, f"{LINEAR}, {TRITON}")
     return out
 
 
