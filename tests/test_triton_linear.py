@@ -33,6 +33,7 @@ from test_linear_loss import (
 
 import dapo_ops as d
 from dapo_ops import testing
+from dapo_ops.logprobs import _triton_linear as triton_linear
 from dapo_ops.logprobs._triton_linear import INTERPRET_BLOCKS
 from dapo_ops.objectives import OBJECTIVES
 
@@ -168,15 +169,42 @@ def test_softcap() -> None:
 
 
 def test_launches_state_warps_and_fp_fusion(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A fwd+bwd of the linear loss with bias launches pass 1 and both pass-2 kernels,
-    once each, with the warps and FP fusion stated (``launch_options``: Triton 3.9 warns
-    when fusion is left to its default, which Triton 3.10 turns off)."""
-    kernels = ("fwd", "bwd_hidden", "bwd_weight")
+    """A fwd+bwd of the linear loss with bias launches pass 1 (split over the vocabulary:
+    two blocks of 32 here, and the splits' merge) and both pass-2 kernels, once each, with
+    the warps and FP fusion stated (``launch_options``: Triton 3.9 warns when fusion is
+    left to its default, which Triton 3.10 turns off)."""
+    kernels = ("fwd", "fwd_combine", "bwd_hidden", "bwd_weight")
     launches = record_launches(monkeypatch, "dapo_ops.logprobs._triton_kernels", kernels)
-    p = problem(dtype=torch.float32)
+    p = problem(vocab=45, dtype=torch.float32)
     grads(linear(d.ClipHigher(), p, TRITON), p)  # bias included
     assert sorted(launches.names) == sorted(kernels)
     assert all(kw["enable_fp_fusion"] is True and kw["num_warps"] for _, kw in launches.calls)
+
+
+@pytest.mark.parametrize("sms", [1, 4, 6, 8, 64])
+def test_vocabulary_splits(monkeypatch: pytest.MonkeyPatch, sms: int) -> None:
+    """Pass 1 and the hidden gradient split over the vocabulary (about one program per
+    multiprocessor: here 20 tokens, 2 token blocks, vocab 100 in 4 blocks, so 1, 2, 3, 4
+    and, capped by the blocks, 4 splits): log-probs, entropies and all three gradients
+    equal the float64 reference whatever the split."""
+    monkeypatch.setattr(triton_linear, "INTERPRET_SMS", sms)
+    b = INTERPRET_BLOCKS
+    want = {1: 1, 4: 2, 6: 3, 8: 4, 64: 4}[sms]
+    assert triton_linear._splits(torch.device("cpu"), 20, 100, b, None) == want
+    h, w, bias, tok = projection_leaves(torch.Generator().manual_seed(sms), (20,), 16, 100)
+    with torch.no_grad():
+        z = torch.log_softmax(h @ w.T + bias, -1)
+    a = torch.linspace(-1, 1, 20, dtype=F64)
+    got = d.fused_logprobs_entropy(h, w, tok, bias=bias, **TRITON)
+    loss = (a * got.logp).sum() + got.entropy.sum()
+    want_loss = (a * z.gather(1, tok[:, None])[:, 0]).sum() - (z.exp() * z).sum()
+    assert torch.allclose(loss, want_loss, rtol=1e-12)
+    gs = torch.autograd.grad(loss, (h, w, bias))
+    h2, w2, b2 = (x.detach().requires_grad_(True) for x in (h, w, bias))
+    z2 = torch.log_softmax(h2 @ w2.T + b2, -1)
+    ref = (a * z2.gather(1, tok[:, None])[:, 0]).sum() - (z2.exp() * z2).sum()
+    for x, y in zip(gs, torch.autograd.grad(ref, (h2, w2, b2)), strict=True):
+        assert torch.allclose(x, y, rtol=1e-10, atol=1e-12)
 
 
 def test_backend_refusals(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -35,16 +35,23 @@ NAMES = {
     torch.float16: "fp16",
     torch.float64: "fp64",
 }
-LINEAR = ("fwd", {}), ("bwd_hidden", {"HAS_B": True}), (
-    "bwd_weight", {"HAS_B": True, "NEED_W": True, "NEED_BIAS": True},
-)  # fmt: skip
+#: (label, kernel, its flags): pass 1 whole and split over the vocabulary (with the
+#: splits' merge), and both pass-2 kernels.
+LINEAR = (
+    ("fwd", "fwd", {"PARTIAL": False}),
+    ("fwd_split", "fwd", {"PARTIAL": True}),
+    ("fwd_combine", "fwd_combine", {}),
+    ("bwd_hidden", "bwd_hidden", {"HAS_B": True}),
+    ("bwd_weight", "bwd_weight", {"HAS_B": True, "NEED_W": True, "NEED_BIAS": True}),
+)
 
 
 def compile_h100(
     kernel: Any, types: dict[str, str], constants: dict[str, Any], warps: int = 4
 ) -> Any:
     """``kernel`` compiled for an H100: every argument typed by ``types`` (pointers by
-    name, ``i32`` otherwise) or bound by ``constants``."""
+    name, ``i32`` otherwise) or bound by ``constants`` (those it takes)."""
+    constants = {k: v for k, v in constants.items() if k in kernel.arg_names}
     signature = {
         n: "constexpr" if n in constants else types.get(n, "i32") for n in kernel.arg_names
     }
@@ -70,7 +77,8 @@ def linear_types(dtype: torch.dtype) -> dict[str, str]:
     name = NAMES[dtype]
     acc = "fp64" if dtype == torch.float64 else "fp32"
     types = {f"{n}_ptr": f"*{name}" for n in ("h", "w", "b")}
-    types |= {f"{n}_ptr": f"*{acc}" for n in ("logp", "ent", "lse", "a", "bb", "gh", "gb", "scr")}
+    accs = ("logp", "ent", "lse", "part", "a", "bb", "gh", "gb", "scr")
+    types |= {f"{n}_ptr": f"*{acc}" for n in accs}
     types["gw_ptr"] = f"*{name}"  # the weight gradient in the weight's dtype
     return types | {"tok_ptr": "*i64", "valid_ptr": "*i8", "temp": "fp32", "cap": "fp32"}
 
@@ -78,7 +86,7 @@ def linear_types(dtype: torch.dtype) -> dict[str, str]:
 def linear_kernels(
     dtype: torch.dtype, tiles: tuple[int, int, int], warps: int, cap: bool
 ) -> dict[str, Any]:
-    """Pass 1 and both pass-2 kernels compiled for ``dtype`` inputs with bias, mask and
+    """The kernels of :data:`LINEAR` compiled for ``dtype`` inputs with bias, mask and
     entropy gradient, ``tiles`` = (tokens, vocabulary, hidden)."""
     ks = load_kernels("dapo_ops.logprobs._triton_kernels", False)
     flags: dict[str, Any] = {"HAS_BIAS": True, "HAS_VALID": True, "HAS_CAP": cap}
@@ -88,10 +96,8 @@ def linear_kernels(
     # a low-precision weight accumulates its gradient in float32 rows of its own
     scratch = {"SCRATCH": dtype in (torch.bfloat16, torch.float16)}
     return {
-        n: compile_h100(
-            getattr(ks, n), types, flags | x | (scratch if n == "bwd_weight" else {}), warps
-        )
-        for n, x in LINEAR
+        label: compile_h100(getattr(ks, kernel), types, flags | x | scratch, warps)
+        for label, kernel, x in LINEAR
     }
 
 

@@ -136,10 +136,23 @@ def _grad(z, t, rows, ok, live, tok, cols, col_ok, lse_ptr, ent_ptr, a_ptr, b_pt
 
 
 @triton.jit
-def fwd(h_ptr, w_ptr, b_ptr, tok_ptr, valid_ptr, logp_ptr, ent_ptr, lse_ptr, N, V, D, temp,
-        cap, HAS_BIAS: tl.constexpr, HAS_VALID: tl.constexpr, HAS_CAP: tl.constexpr,
-        UPCAST: tl.constexpr,
+def _finish(m, s0, s1, zy, rows, ok, logp_ptr, ent_ptr, lse_ptr):
+    log_s0 = tl.log(s0)
+    lse = m + log_s0
+    tl.store(logp_ptr + rows, zy - lse, mask=ok)
+    tl.store(ent_ptr + rows, log_s0 - s1 / s0, mask=ok)
+    tl.store(lse_ptr + rows, lse, mask=ok)
+
+
+@triton.jit
+def fwd(h_ptr, w_ptr, b_ptr, tok_ptr, valid_ptr, logp_ptr, ent_ptr, lse_ptr, part_ptr, N, V,
+        D, NSPLIT, temp, cap, HAS_BIAS: tl.constexpr, HAS_VALID: tl.constexpr,
+        HAS_CAP: tl.constexpr, UPCAST: tl.constexpr, PARTIAL: tl.constexpr,
         ACC: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr):  # fmt: skip
+    """Program ``(i, s)``: token block ``i`` over vocabulary blocks ``s, s + NSPLIT, ...``;
+    with ``PARTIAL`` (``NSPLIT > 1``) it writes its ``(m, s0, s1, z_y)`` to
+    ``part[4, NSPLIT, N]`` for :func:`fwd_combine`, else the results."""
+    split = tl.program_id(1)
     rows, ok, live, tok = _rows(
         tl.program_id(0).to(tl.int64) * BT, N, tok_ptr, valid_ptr, BT, HAS_VALID
     )
@@ -147,7 +160,7 @@ def fwd(h_ptr, w_ptr, b_ptr, tok_ptr, valid_ptr, logp_ptr, ent_ptr, lse_ptr, N, 
     s0 = tl.full([BT], 0.0, ACC)
     s1 = tl.full([BT], 0.0, ACC)
     zy = tl.full([BT], 0.0, ACC)
-    for v0 in range(0, V, BV):
+    for v0 in range(split * BV, V, NSPLIT * BV):
         cols = v0 + tl.arange(0, BV).to(tl.int64)
         col_ok = cols < V
         z, _ = _scaled(_tile(h_ptr, w_ptr, b_ptr, rows, live, cols, col_ok, D,
@@ -161,23 +174,60 @@ def fwd(h_ptr, w_ptr, b_ptr, tok_ptr, valid_ptr, logp_ptr, ent_ptr, lse_ptr, N, 
         s0 = alpha * s0 + _sum(e, 1)
         m = m_new
         zy += _sum(tl.where(cols[None, :] == tok[:, None], z, 0.0), 1)
-    log_s0 = tl.log(s0)
-    lse = m + log_s0
-    tl.store(logp_ptr + rows, zy - lse, mask=ok)
-    tl.store(ent_ptr + rows, log_s0 - s1 / s0, mask=ok)
-    tl.store(lse_ptr + rows, lse, mask=ok)
+    if PARTIAL:
+        at = part_ptr + split.to(tl.int64) * N + rows
+        step = NSPLIT.to(tl.int64) * N
+        tl.store(at, m, mask=ok)
+        tl.store(at + step, s0, mask=ok)
+        tl.store(at + 2 * step, s1, mask=ok)
+        tl.store(at + 3 * step, zy, mask=ok)
+    else:
+        _finish(m, s0, s1, zy, rows, ok, logp_ptr, ent_ptr, lse_ptr)
+
+
+@triton.jit
+def fwd_combine(part_ptr, logp_ptr, ent_ptr, lse_ptr, N, NSPLIT, ACC: tl.constexpr,
+                BT: tl.constexpr):  # fmt: skip
+    """The splits' ``(m, s0, s1, z_y)`` merged in split order (``m`` the largest, the sums
+    rescaled to it as in :func:`fwd`'s loop), then the results."""
+    rows = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT).to(tl.int64)
+    ok = rows < N
+    step = NSPLIT.to(tl.int64) * N
+    m = tl.full([BT], -1.0e30, ACC)
+    for k in range(0, NSPLIT):
+        m = tl.maximum(m, tl.load(part_ptr + k * N + rows, mask=ok, other=-1.0e30))
+    s0 = tl.full([BT], 0.0, ACC)
+    s1 = tl.full([BT], 0.0, ACC)
+    zy = tl.full([BT], 0.0, ACC)
+    for k in range(0, NSPLIT):
+        at = part_ptr + k * N + rows
+        mk = tl.load(at, mask=ok, other=-1.0e30)
+        s0k = tl.load(at + step, mask=ok, other=0.0)
+        alpha = tl.exp(mk - m)
+        s1 += alpha * (tl.load(at + 2 * step, mask=ok, other=0.0) + (mk - m) * s0k)
+        s0 += alpha * s0k
+        zy += tl.load(at + 3 * step, mask=ok, other=0.0)
+    s0 = tl.where(ok, s0, 1.0)  # rows past N (never stored): no log(0)
+    _finish(m, s0, s1, zy, rows, ok, logp_ptr, ent_ptr, lse_ptr)
 
 
 @triton.jit
 def bwd_hidden(h_ptr, w_ptr, b_ptr, tok_ptr, valid_ptr, lse_ptr, ent_ptr, a_ptr, bb_ptr,
-               gh_ptr, N, V, D, temp, cap, HAS_BIAS: tl.constexpr, HAS_VALID: tl.constexpr,
-               HAS_B: tl.constexpr, HAS_CAP: tl.constexpr, UPCAST: tl.constexpr,
-               ACC: tl.constexpr,
+               gh_ptr, N, V, D, NSPLIT, temp, cap, HAS_BIAS: tl.constexpr,
+               HAS_VALID: tl.constexpr, HAS_B: tl.constexpr, HAS_CAP: tl.constexpr,
+               UPCAST: tl.constexpr, ACC: tl.constexpr,
                BT: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr):  # fmt: skip
+    """Program ``(i, s)``: token block ``i``'s ``dh`` over vocabulary blocks ``s, s +
+    NSPLIT, ...``, into ``gh[s]`` (``gh [NSPLIT, N, D]``; every split has a block)."""
+    split = tl.program_id(1)
+    first = split * BV
+    gh_ptr += split.to(tl.int64) * N * D
     rows, ok, live, tok = _rows(
         tl.program_id(0).to(tl.int64) * BT, N, tok_ptr, valid_ptr, BT, HAS_VALID
     )
-    for v0 in range(0, V, BV):
+    stride = NSPLIT * BV
+    for j in range(0, (V - first + stride - 1) // stride):  # this split's vocabulary blocks
+        v0 = first + j * stride
         cols = v0 + tl.arange(0, BV).to(tl.int64)
         col_ok = cols < V
         z, t = _scaled(_tile(h_ptr, w_ptr, b_ptr, rows, live, cols, col_ok, D,
@@ -191,7 +241,7 @@ def bwd_hidden(h_ptr, w_ptr, b_ptr, tok_ptr, valid_ptr, lse_ptr, ent_ptr, a_ptr,
                         mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
             at = gh_ptr + rows[:, None] * D + ks[None, :]
             both = ok[:, None] & k_ok[None, :]
-            acc = tl.load(at, mask=both & (v0 > 0), other=0.0)  # the first tile from 0
+            acc = tl.load(at, mask=both & (j > 0), other=0.0)  # the first tile from 0
             tl.store(at, _dot(g, w, acc, UPCAST, ACC), mask=both)
             tl.debug_barrier()  # this program's next read of the same rows sees it
 

@@ -3,21 +3,23 @@ r"""Triton kernels from hidden states to log-probs, entropies and their gradient
 Private; :mod:`dapo_ops.logprobs._triton_dispatch` selects them (``backend="triton"``). Triton is
 imported on the first call only (never at ``import dapo_ops``), and the kernels are
 defined then, once per mode (compiled, or Triton's interpreter under
-``TRITON_INTERPRET=1``, which runs them on CPU tensors). Three kernels, each over tiles of
-the logits ``z = (h W^T + b) / T`` (``c tanh((h W^T + b) / c) / T`` with a final-logit
-cap ``c``) formed on chip (``tl.dot`` over ``BLOCK_D`` slices of
-the hidden dimension, products accumulated in float32; float64 inputs sum their
-products on the CUDA cores: Triton 3.6 to 3.8 cannot lower an accumulating float64
-``tl.dot`` for ``sm_90``):
+``TRITON_INTERPRET=1``, which runs them on CPU tensors). Three kernels (and the merge
+of pass 1's splits), each over tiles of the logits ``z = (h W^T + b) / T``
+(``c tanh((h W^T + b) / c) / T`` with a final-logit cap ``c``) formed on chip
+(``tl.dot`` over ``BLOCK_D`` slices of the hidden dimension, products accumulated in
+float32; float64 inputs sum their products on the CUDA cores: Triton 3.6 to 3.8 cannot
+lower an accumulating float64 ``tl.dot`` for ``sm_90``):
 
 - :func:`forward_stats` (pass 1): per block of ``BLOCK_T`` tokens, a loop over the
   vocabulary tiles keeping the online max ``m``, ``s0 = sum e^{z-m}``,
   ``s1 = sum e^{z-m} (z - m)`` and the chosen token's logit; it writes per token only
-  ``logp = z_y - lse``, ``H = log s0 - s1 / s0`` and ``lse = m + log s0``.
+  ``logp = z_y - lse``, ``H = log s0 - s1 / s0`` and ``lse = m + log s0``. Split over
+  the vocabulary where the token blocks are fewer than the multiprocessors
+  (:func:`_splits`): each split writes its four numbers and ``fwd_combine`` merges them.
 - :func:`backward_grads` (pass 2): two kernels that form the same tiles again and, on
   chip, ``G = (a (delta_y - p) - b p (log p + H)) / T`` (``a``, ``b``: the upstream
   gradients of ``logp`` and ``H`` per token; times ``1 - tanh^2`` with a cap); one per
-  token block accumulates
+  token block (and vocabulary split: float32 partial sums added after) accumulates
   ``dh = G W`` over the vocabulary tiles (a float32 buffer, rounded to the input dtype
   after); a persistent one, a program per multiprocessor taking every ``P``-th
   vocabulary block, accumulates ``dW = G^T h`` and ``db = G^T 1`` over the token tiles,
@@ -54,7 +56,7 @@ class Blocks:
     warps: int = 8
 
 
-#: On a GPU, per input dtype: the largest tiles whose three kernels compile for an H100
+#: On a GPU, per input dtype: the largest tiles whose kernels compile for an H100
 #: (``sm_90``, Triton 3.6 to 3.9) without spilling registers to local memory, read from the
 #: cubins' resource usage (tests/test_triton_compile.py checks it; ``python -m
 #: tools.sm90_tiles`` prints the search over 32-128 tokens x 64-128 vocabulary x 32-64
@@ -114,12 +116,17 @@ def forward_stats(
     if n == 0:
         return logp, ent, lse
     ks, meta, b = _common(h, blocks)
-    ks.fwd[_grid(n, b.tokens)](
+    splits = _splits(h.device, n, vocab, b, None)
+    part = h.new_empty((4, splits, n) if splits > 1 else (0,), dtype=cdt)
+    ks.fwd[(_grid(n, b.tokens)[0], splits)](
         h, w, h if bias is None else bias, tok, tok if valid is None else valid,
-        logp, ent, lse, n, vocab, dim, float(temperature), float(softcap or 1.0),
+        logp, ent, lse, part, n, vocab, dim, splits, float(temperature), float(softcap or 1.0),
         HAS_BIAS=bias is not None, HAS_VALID=valid is not None, HAS_CAP=softcap is not None,
-        **meta,
+        PARTIAL=splits > 1, **meta,
     )  # fmt: skip
+    if splits > 1:
+        ks.fwd_combine[_grid(n, b.tokens)](part, logp, ent, lse, n, splits, ACC=meta["ACC"],
+                                           BT=b.tokens, **launch_options(b.warps))  # fmt: skip
     return logp, ent, lse
 
 
@@ -143,7 +150,7 @@ def backward_grads(
         return tuple(x.new_zeros(shape) if want else None  # type: ignore[return-value]
                      for x, shape, want in ((h, h.shape, need[0]), (w, w.shape, need[1]),
                                             (w, (vocab,), need[2])))  # fmt: skip
-    gh = h.new_empty((n, dim), dtype=cdt) if need[0] else None
+    gh = None
     gw = w.new_empty((vocab, dim)) if need[1] else None  # in the weight's dtype
     gb = w.new_empty(vocab, dtype=cdt) if need[2] else None
     if any(need):
@@ -154,8 +161,14 @@ def backward_grads(
         flags = {"HAS_BIAS": bias is not None, "HAS_VALID": valid is not None,
                  "HAS_B": b_vec is not None, "HAS_CAP": scale[1] is not None} | meta  # fmt: skip
         temp, cap = float(scale[0]), float(scale[1] or 1.0)
-        if gh is not None:
-            ks.bwd_hidden[_grid(n, b.tokens)](*args, gh, n, vocab, dim, temp, cap, **flags)
+        if need[0]:  # dh in float32 (or float64) sums, one per vocabulary split
+            splits = _splits(h.device, n, vocab, b, n * dim * (8 if cdt == torch.float64 else 4))
+            parts = h.new_empty((splits, n, dim), dtype=cdt)
+            ks.bwd_hidden[(_grid(n, b.tokens)[0], splits)](
+                *args, parts, n, vocab, dim, splits, temp, cap, **flags
+            )
+            gh = parts[0] if splits == 1 else parts.sum(0)  # in split order: same bits each run
+            del parts
         if gw is not None or gb is not None:
             programs = min(_grid(vocab, b.vocab)[0], _programs(h.device))
             scratch = gw is not None and gw.dtype != cdt
@@ -170,6 +183,27 @@ def backward_grads(
         gw,
         None if gb is None else gb.to(w.dtype),
     )
+
+
+#: Extra memory the hidden gradient's vocabulary splits may take (their float32 partial
+#: sums, ``splits x N x D``).
+SPLIT_BYTES = 32 * 2**20
+#: Multiprocessors assumed under the interpreter, for the splits only: so that the tests'
+#: two or three token blocks get several splits where the vocabulary has the blocks.
+INTERPRET_SMS = 8
+
+
+def _splits(device: torch.device, n: int, vocab: int, b: Blocks, row_bytes: int | None) -> int:
+    """Vocabulary splits of pass 1 and of the hidden gradient: about one program per
+    multiprocessor in all (``round(SMs / token blocks)``; one program fills one at these
+    tiles), at least one vocabulary block each, and for the hidden gradient (``row_bytes``
+    = its bytes per split) within :data:`SPLIT_BYTES`. Without them a pass over 1024
+    tokens ran 16 programs on an H100's 132 multiprocessors."""
+    sms = INTERPRET_SMS if device.type != "cuda" else _programs(device)
+    splits = max(1, min(round(sms / _grid(n, b.tokens)[0]), _grid(vocab, b.vocab)[0]))
+    if row_bytes is not None:
+        splits = max(1, min(splits, SPLIT_BYTES // max(row_bytes, 1)))
+    return splits
 
 
 def _programs(device: torch.device) -> int:
