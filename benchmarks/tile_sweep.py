@@ -1,30 +1,62 @@
-"""Time the linear kernels' tiles on a GPU, for the next choice of ``GPU_BLOCKS``.
+"""Time the linear kernels' tiles on a GPU, kernel by kernel, for the next ``GPU_TILES``.
 
 python -m benchmarks.tile_sweep                                  # bf16, 2048x896x32000
-python -m benchmarks.tile_sweep --dtype fp32 --shape 1024x896x151936
+python -m benchmarks.tile_sweep --shape 8192x4096x151936         # the 7B-scale shape
 
-For each candidate tile (tokens x vocabulary x hidden, warps) that compiles for the
-device without spilling registers (``tools.sm90_tiles``: the cubin's stack frame), pass 1
-(``forward_stats``) and pass 2 (``backward_grads``: ``dh`` and ``dW``) are timed with CUDA
-events, medians of ``--repeats``, beside one ``h @ W.T`` in the same dtype (cuBLAS) as the
-unit; the library's current choice is marked. Prints a table; nothing is written. Needs a
-CUDA device (tools/gpu_session.sh runs it); on an H100 the candidates' compile takes
-about a second each.
+Each kernel walks one dimension and keeps float32 accumulator rows of the other, read and
+written once per tile of the dimension it walks (docs/linear_loss.md): pass 1 the
+vocabulary, the hidden gradient the vocabulary (its traffic falls with the vocabulary
+tile), the weight gradient the tokens (it falls with the token tile). So the candidates
+differ per kernel: :data:`CANDIDATES`, tiles that compile for an H100 without spilling a
+register in bfloat16 (tests/test_triton_compile.py checks them, as
+``python -m tools.sm90_tiles`` found them). Each is timed alone with CUDA events, medians of
+``--repeats``, beside one ``h @ W.T`` (cuBLAS) as the unit; the current ``GPU_TILES`` entry
+is marked, and the fastest per kernel is printed as the ``KernelTiles`` to set. Nothing is
+written. Needs a CUDA device (tools/gpu_session.sh runs it).
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import statistics
 import sys
 from collections.abc import Callable
 
 import torch
 
-from dapo_ops.logprobs._triton_linear import GPU_BLOCKS, Blocks, backward_grads, forward_stats
+from dapo_ops.logprobs._triton_linear import (
+    GPU_TILES,
+    Blocks,
+    backward_grads,
+    forward_stats,
+)
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+#: Spill-free bfloat16 tiles per kernel (8 warps; 4 spill or sit at 255 registers):
+#: larger vocabulary tiles for the hidden gradient, larger token tiles for the weight
+#: gradient, both for pass 1.
+CANDIDATES: dict[str, tuple[Blocks, ...]] = {
+    "fwd": (
+        Blocks(64, 64, 32, 8),
+        Blocks(64, 128, 32, 8),
+        Blocks(128, 64, 32, 8),
+        Blocks(64, 256, 32, 8),
+        Blocks(128, 128, 32, 8),
+    ),
+    "hidden": (
+        Blocks(64, 64, 32, 8),
+        Blocks(32, 128, 32, 8),
+        Blocks(32, 256, 32, 8),
+        Blocks(32, 128, 64, 8),
+    ),
+    "weight": (
+        Blocks(64, 64, 32, 8),
+        Blocks(128, 32, 32, 8),
+        Blocks(128, 64, 32, 8),
+        Blocks(256, 32, 32, 8),
+        Blocks(256, 64, 32, 8),
+    ),
+}
 
 
 def _time(fn: Callable[[], object], repeats: int) -> float:
@@ -41,25 +73,18 @@ def _time(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def _spills(dtype: torch.dtype, b: Blocks) -> int:
-    from tools.sm90_tiles import linear_kernels, usage
-
-    tiles = (b.tokens, b.vocab, b.dim)
-    return max(usage(k)["STACK"] for k in linear_kernels(dtype, tiles, b.warps, cap=False).values())
-
-
-def _pass_times(
-    h: torch.Tensor, w: torch.Tensor, tok: torch.Tensor, b: Blocks, repeats: int
-) -> tuple[float, float]:
-    """Median ms of pass 1 and of pass 2 (``dh`` and ``dW``, a loss of ``mean logp``)."""
+def _runner(
+    h: torch.Tensor, w: torch.Tensor, tok: torch.Tensor, kernel: str, b: Blocks
+) -> Callable[[], object]:
+    """One call of ``kernel`` (a :class:`KernelTiles` field) at tiles ``b``: pass 1, or
+    pass 2 with only ``dh`` or only ``dW`` asked for (a loss of ``mean logp``)."""
+    if kernel == "fwd":
+        return lambda: forward_stats(h, w, None, tok, None, 1.0, None, blocks=b)
     n = h.shape[0]
-    _, ent, lse = forward_stats(h, w, None, tok, None, 1.0, None, blocks=b)
-    a = torch.full((n,), 1.0 / n, device=h.device)
-    t1 = _time(lambda: forward_stats(h, w, None, tok, None, 1.0, None, blocks=b), repeats)
-    stats = (lse, ent, a, None)
-    need = (True, True, False)
-    t2 = _time(lambda: backward_grads(h, w, None, tok, None, stats, (1.0, None), need, b), repeats)
-    return t1, t2
+    _, ent, lse = forward_stats(h, w, None, tok, None, 1.0, None)
+    stats = (lse, ent, torch.full((n,), 1.0 / n, device=h.device), None)
+    need = (kernel == "hidden", kernel == "weight", False)
+    return lambda: backward_grads(h, w, None, tok, None, stats, (1.0, None), need, b)
 
 
 def main(argv: list[str]) -> int:
@@ -79,17 +104,17 @@ def main(argv: list[str]) -> int:
     tok = torch.randint(0, vocab, (n,), device="cuda", generator=g)
     unit = _time(lambda: h @ w.T, args.repeats)
     print(f"{args.dtype} {args.shape}: one h @ W.T {unit:.3f} ms (cuBLAS); times in ms")
-    print("tokens vocab hidden warps | spilled B | pass 1 | pass 2 | total | x h@W.T")
-    current = GPU_BLOCKS[dtype]
-    for bt, bv, bd, warps in itertools.product((32, 64, 128), (64, 128), (32, 64), (4, 8)):
-        b = Blocks(bt, bv, bd, warps)
-        spilled = _spills(dtype, b)
-        if spilled:
-            continue
-        t1, t2 = _pass_times(h, w, tok, b, args.repeats)
-        mark = "  <- GPU_BLOCKS" if b == current else ""
-        print(f"{bt} {bv} {bd} {warps} | 0 | {t1:.3f} | {t2:.3f} | {t1 + t2:.3f} | "
-              f"{(t1 + t2) / unit:.2f}{mark}", flush=True)  # fmt: skip
+    current, best = GPU_TILES[dtype], {}
+    for kernel, candidates in CANDIDATES.items():
+        times = {}
+        for b in candidates:
+            times[b] = _time(_runner(h, w, tok, kernel, b), args.repeats)
+            mark = "  <- GPU_TILES" if b == getattr(current, kernel) else ""
+            print(
+                f"{kernel} {b} | {times[b]:.3f} | {times[b] / unit:.2f} x h@W.T{mark}", flush=True
+            )
+        best[kernel] = min(times, key=times.__getitem__)
+    print(f"fastest: KernelTiles({', '.join(f'{k}={b!r}' for k, b in best.items())})")
     return 0
 
 

@@ -10,7 +10,7 @@ tensor cores (``wgmma``) with ``input_precision="ieee"``; float64 without a ``tl
 (Triton 3.6 to 3.8 cannot lower an accumulating float64 dot for ``sm_90``); the policy
 loss's forward with no atomics but the integer ticket and its reset, none on floats (its
 sums are reduced in a fixed order); and the cubins' resource usage shows no register
-spilled to local memory at the tiles a GPU runs (``GPU_BLOCKS``). Compiled with the
+spilled to local memory at the tiles a GPU runs (``GPU_TILES``) and the tile sweep's candidates. Compiled with the
 library's own launch options (no warning from Triton 3.9 about FP fusion left unset).
 Skipped where Triton has no CUDA backend; ``.ci/triton`` runs it under each supported
 Triton.
@@ -39,7 +39,7 @@ from dapo_ops import DPPO  # noqa: E402
 from dapo_ops._core._triton import load_kernels  # noqa: E402
 from dapo_ops.engine import _triton_loss as triton_loss  # noqa: E402
 from dapo_ops.engine._triton_loss import OBJECTIVES  # noqa: E402
-from dapo_ops.logprobs._triton_linear import GPU_BLOCKS  # noqa: E402
+from dapo_ops.logprobs._triton_linear import GPU_TILES, KernelTiles  # noqa: E402
 
 sm90 = pytest.importorskip("tools.sm90_tiles", reason="run from the repository root")
 compile_h100, linear_kernels, usage = sm90.compile_h100, sm90.linear_kernels, sm90.usage
@@ -61,17 +61,27 @@ def test_linear_kernels_compile_for_sm90(dtype: str) -> None:
     kernels, with bias, mask, entropy gradient and soft cap, at the tiles a GPU runs,
     without a spilled register."""
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}[dtype]
-    b = GPU_BLOCKS[torch_dtype]
-    kernels = linear_kernels(torch_dtype, (b.tokens, b.vocab, b.dim), b.warps, cap=True)
-    for name, compiled in kernels.items():
+    tiles = GPU_TILES[torch_dtype]
+    for name, compiled in linear_kernels(torch_dtype, tiles, cap=True).items():
         code = compiled.asm["ptx"]
-        assert spilled_bytes(compiled) == 0, f"{name}: {b} spills registers"
+        assert spilled_bytes(compiled) == 0, f"{name}: {tiles} spills registers"
         if name == "fwd_combine":  # the splits' merge: no tile
             continue
         if dtype == "bf16":  # tensor cores, products accumulated in float32
             assert "wgmma.mma_async.sync.aligned" in code and ".f32.bf16.bf16" in code, name
         else:  # float32 "ieee" and float64: on the CUDA cores
             assert "mma" not in code and "fma.rn.f" in code, name
+
+
+def test_tile_sweep_candidates_compile_without_spills() -> None:
+    """Every tile benchmarks/tile_sweep.py times on a GPU compiles for its kernel, in
+    bfloat16 with the soft cap, without a spilled register (the sweep times only those)."""
+    sweep = pytest.importorskip("benchmarks.tile_sweep", reason="run from the repository root")
+    for kernel, candidates in sweep.CANDIDATES.items():
+        for b in candidates:
+            tiles = KernelTiles(b, b, b)
+            for name, compiled in linear_kernels(torch.bfloat16, tiles, True, kernel).items():
+                assert spilled_bytes(compiled) == 0, f"{name} at {b} spills registers"
 
 
 def _loss_cases() -> list[tuple[int, int, int, int]]:

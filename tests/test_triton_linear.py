@@ -11,6 +11,7 @@ float64 too); float32 and bfloat16 within the derived bounds of
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -223,18 +224,19 @@ def test_backend_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
     assert torch.equal(auto, d.linear_policy_loss(*args, backend="chunked"))
 
 
-def test_tile_sweep_runs_both_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tile_sweep_runs_each_kernel() -> None:
     """benchmarks/tile_sweep.py (a GPU session's tile timing) calls the kernels as they are
-    today: its two passes run here, under the interpreter, with the timer stubbed."""
+    today: its runner of each kernel, at the interpreter's tiles, gives pass 1's log-probs,
+    or only ``dh``, or only ``dW``."""
     sweep = pytest.importorskip("benchmarks.tile_sweep", reason="run from the repository root")
-    calls: list[object] = []
-    monkeypatch.setattr(sweep, "_time", lambda fn, repeats: (calls.append(fn()), 0.0)[1])
     g = torch.Generator().manual_seed(0)
     h, w = torch.randn(20, 16, generator=g), torch.randn(45, 16, generator=g)
     tok = torch.randint(0, 45, (20,), generator=g)
-    assert sweep._pass_times(h, w, tok, INTERPRET_BLOCKS, 1) == (0.0, 0.0)
-    logp, _, _ = calls[0]  # type: ignore[misc]
+    logp, _, _ = sweep._runner(h, w, tok, "fwd", INTERPRET_BLOCKS)()
     want = torch.log_softmax(h @ w.T, dim=-1).gather(1, tok[:, None])[:, 0]
     assert torch.allclose(logp, want, atol=1e-5)
-    gh, gw, gb = calls[1]  # type: ignore[misc]
-    assert gh.shape == h.shape and gw.shape == w.shape and gb is None
+    gh, gw, gb = sweep._runner(h, w, tok, "hidden", INTERPRET_BLOCKS)()
+    assert gh.shape == h.shape and gw is None and gb is None
+    gh, gw, gb = sweep._runner(h, w, tok, "weight", INTERPRET_BLOCKS)()
+    assert gh is None and gw.shape == w.shape and gb is None
+    assert set(sweep.CANDIDATES) == {f.name for f in dataclasses.fields(triton_linear.KernelTiles)}

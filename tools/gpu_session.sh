@@ -65,7 +65,9 @@ for suite in linear loss logprobs; do
   grep -E "^\[.*\]     " "$OUT/$suite.log" 2>/dev/null | cut -c12-112 | tail -40
 done
 
-# The linear kernels' spill-free tiles timed side by side (bf16, 2048x896x32000): the
-# next choice of GPU_BLOCKS (benchmarks/tile_sweep.py).
-step tiles "${TILES_S:-90}" $py -m benchmarks.tile_sweep
-grep -E "^[0-9]|ms" "$OUT/tiles.log" 2>/dev/null | head -30
+# The linear kernels' spill-free tiles timed kernel by kernel (bf16; 2048x896x32000, then
+# the 7B-scale shape): the next choice of GPU_TILES (benchmarks/tile_sweep.py).
+step tiles "${TILES_S:-60}" $py -m benchmarks.tile_sweep
+cat "$OUT/tiles.log" 2>/dev/null | tail -16
+step tiles_7b "${TILES_7B_S:-60}" $py -m benchmarks.tile_sweep --shape 8192x4096x151936 --repeats 5
+cat "$OUT/tiles_7b.log" 2>/dev/null | tail -16

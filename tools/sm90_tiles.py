@@ -2,7 +2,7 @@
 compiler made of them: registers, bytes spilled to local memory, shared memory.
 
 python -m tools.sm90_tiles            # the tile search of the linear kernels, bf16 and fp32
-python -m tools.sm90_tiles --chosen   # the tiles the library runs (GPU_BLOCKS, _blocks)
+python -m tools.sm90_tiles --chosen   # the tiles the library runs (GPU_TILES)
 
 Triton's own toolchain does the work (its bundled ``ptxas`` and ``cuobjdump``), so this
 runs on any machine with the ``triton`` wheel. A tile that spills registers reads and
@@ -27,6 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from dapo_ops._core._triton import launch_options, load_kernels
+from dapo_ops.logprobs._triton_linear import GPU_TILES, Blocks, KernelTiles
 
 H100 = GPUTarget("cuda", 90, 32)
 NAMES = {
@@ -35,14 +36,14 @@ NAMES = {
     torch.float16: "fp16",
     torch.float64: "fp64",
 }
-#: (label, kernel, its flags): pass 1 whole and split over the vocabulary (with the
-#: splits' merge), and both pass-2 kernels.
+#: (label, kernel, its flags, the KernelTiles field of its tiles): pass 1 whole and split
+#: over the vocabulary (with the splits' merge), and both pass-2 kernels.
 LINEAR = (
-    ("fwd", "fwd", {"PARTIAL": False}),
-    ("fwd_split", "fwd", {"PARTIAL": True}),
-    ("fwd_combine", "fwd_combine", {}),
-    ("bwd_hidden", "bwd_hidden", {"HAS_B": True}),
-    ("bwd_weight", "bwd_weight", {"HAS_B": True, "NEED_W": True, "NEED_BIAS": True}),
+    ("fwd", "fwd", {"PARTIAL": False}, "fwd"),
+    ("fwd_split", "fwd", {"PARTIAL": True}, "fwd"),
+    ("fwd_combine", "fwd_combine", {}, "fwd"),
+    ("bwd_hidden", "bwd_hidden", {"HAS_B": True}, "hidden"),
+    ("bwd_weight", "bwd_weight", {"HAS_B": True, "NEED_W": True, "NEED_BIAS": True}, "weight"),
 )
 
 
@@ -84,42 +85,43 @@ def linear_types(dtype: torch.dtype) -> dict[str, str]:
 
 
 def linear_kernels(
-    dtype: torch.dtype, tiles: tuple[int, int, int], warps: int, cap: bool
+    dtype: torch.dtype, tiles: KernelTiles, cap: bool, only: str | None = None
 ) -> dict[str, Any]:
-    """The kernels of :data:`LINEAR` compiled for ``dtype`` inputs with bias, mask and
-    entropy gradient, ``tiles`` = (tokens, vocabulary, hidden)."""
+    """The kernels of :data:`LINEAR` (those of the ``only`` tiles field, if given) compiled
+    for ``dtype`` inputs with bias, mask and entropy gradient, each at its ``tiles``."""
     ks = load_kernels("dapo_ops.logprobs._triton_kernels", False)
     flags: dict[str, Any] = {"HAS_BIAS": True, "HAS_VALID": True, "HAS_CAP": cap}
     flags |= {"UPCAST": False, "ACC": tl.float64 if dtype == torch.float64 else tl.float32}
-    flags |= dict(zip(("BT", "BV", "BD"), tiles, strict=True))
     types = linear_types(dtype)
     # a low-precision weight accumulates its gradient in float32 rows of its own
-    scratch = {"SCRATCH": dtype in (torch.bfloat16, torch.float16)}
-    return {
-        label: compile_h100(getattr(ks, kernel), types, flags | x | scratch, warps)
-        for label, kernel, x in LINEAR
-    }
+    flags["SCRATCH"] = dtype in (torch.bfloat16, torch.float16)
+    out = {}
+    for label, kernel, extra, field in LINEAR:
+        if only is not None and field != only:
+            continue
+        b: Blocks = getattr(tiles, field)
+        sizes = {"BT": b.tokens, "BV": b.vocab, "BD": b.dim}
+        out[label] = compile_h100(getattr(ks, kernel), types, flags | sizes | extra, b.warps)
+    return out
 
 
-def _row(dtype: torch.dtype, tiles: tuple[int, int, int], warps: int) -> str:
+def _row(dtype: torch.dtype, tiles: KernelTiles, only: str | None = None) -> str:
     cells = []
     for cap in (False, True):
-        for name, compiled in linear_kernels(dtype, tiles, warps, cap).items():
+        for name, compiled in linear_kernels(dtype, tiles, cap, only).items():
             u = usage(compiled)
             cells.append(f"{name}{'+cap' if cap else ''} {u['REG']}r/{u['STACK']}B")
-    return f"{NAMES[dtype]} {tiles} {warps} warps: " + ", ".join(cells)
+    return f"{NAMES[dtype]} {tiles}: " + ", ".join(cells)
 
 
 def main(argv: list[str]) -> int:
     if "--chosen" in argv:
-        from dapo_ops.logprobs._triton_linear import GPU_BLOCKS
-
-        for dtype, b in GPU_BLOCKS.items():
-            print(_row(dtype, (b.tokens, b.vocab, b.dim), b.warps), flush=True)
+        for dtype, tiles in GPU_TILES.items():
+            print(_row(dtype, tiles), flush=True)
         return 0
     for dtype in (torch.bfloat16, torch.float32):
-        for *tiles, warps in itertools.product((32, 64, 128), (64, 128), (32, 64), (4, 8)):
-            print(_row(dtype, tuple(tiles), warps), flush=True)  # type: ignore[arg-type]
+        for *sizes, warps in itertools.product((32, 64, 128), (64, 128), (32, 64), (4, 8)):
+            print(_row(dtype, KernelTiles.same(Blocks(*sizes, warps))), flush=True)
     return 0
 
 

@@ -55,19 +55,39 @@ class Blocks:
     dim: int = 32
     warps: int = 8
 
+    def __str__(self) -> str:
+        return f"{self.tokens}x{self.vocab}x{self.dim}/{self.warps}w"
 
-#: On a GPU, per input dtype: the largest tiles whose kernels compile for an H100
-#: (``sm_90``, Triton 3.6 to 3.9) without spilling registers to local memory, read from the
-#: cubins' resource usage (tests/test_triton_compile.py checks it; ``python -m
-#: tools.sm90_tiles`` prints the search over 32-128 tokens x 64-128 vocabulary x 32-64
-#: hidden x 4-8 warps).
-#: Not yet timed on a GPU (issue 30). float64 sums its products on the CUDA cores (no
-#: accumulating float64 ``tl.dot`` on sm_90 before Triton 3.9): small tiles.
-GPU_BLOCKS: dict[torch.dtype, Blocks] = {
-    torch.bfloat16: Blocks(64, 64, 32, 8),
-    torch.float16: Blocks(64, 64, 32, 8),
-    torch.float32: Blocks(64, 64, 32, 8),
-    torch.float64: Blocks(16, 32, 16, 8),
+
+@dataclasses.dataclass(frozen=True)
+class KernelTiles:
+    """The tiles of each kernel: pass 1 (and its merge), the hidden gradient, the weight
+    gradient. Each kernel's accumulator traffic falls with the tile of the dimension it
+    walks (docs/linear_loss.md), so they may differ."""
+
+    fwd: Blocks
+    hidden: Blocks
+    weight: Blocks
+
+    @classmethod
+    def same(cls, b: Blocks) -> KernelTiles:
+        return cls(b, b, b)
+
+    def __str__(self) -> str:
+        return f"fwd {self.fwd}, hidden {self.hidden}, weight {self.weight}"
+
+
+#: On a GPU, per input dtype: tiles whose kernels compile for an H100 (``sm_90``, Triton
+#: 3.6 to 3.9) without spilling registers to local memory, read from the cubins' resource
+#: usage (tests/test_triton_compile.py checks it; ``python -m tools.sm90_tiles`` prints
+#: the search). Not yet timed on a GPU (issue 30): ``python -m benchmarks.tile_sweep``
+#: times other spill-free tiles per kernel beside these. float64 sums its products on the
+#: CUDA cores (no accumulating float64 ``tl.dot`` on sm_90 before Triton 3.9): small tiles.
+GPU_TILES: dict[torch.dtype, KernelTiles] = {
+    torch.bfloat16: KernelTiles.same(Blocks(64, 64, 32, 8)),
+    torch.float16: KernelTiles.same(Blocks(64, 64, 32, 8)),
+    torch.float32: KernelTiles.same(Blocks(64, 64, 32, 8)),
+    torch.float64: KernelTiles.same(Blocks(16, 32, 16, 8)),
 }
 #: Under the interpreter: the smallest legal tiles (it runs each program in numpy).
 INTERPRET_BLOCKS = Blocks(16, 32, 16, 4)
@@ -78,11 +98,13 @@ def kernels(interpret: bool) -> Any:
     return load_kernels("dapo_ops.logprobs._triton_kernels", interpret)
 
 
-def _common(h: Tensor, blocks: Blocks | None) -> tuple[Any, dict[str, Any], Blocks]:
+def _common(h: Tensor, blocks: Blocks | None, kernel: str) -> tuple[Any, dict[str, Any], Blocks]:
+    """The kernel module, the launch's tiles and flags for ``kernel`` (a field of
+    :class:`KernelTiles`): ``blocks`` if given, else the mode's and dtype's tiles."""
     interpret = interpreting()
     ks = kernels(interpret)
     tl = ks.tl
-    b = blocks or (INTERPRET_BLOCKS if interpret else GPU_BLOCKS[h.dtype])
+    b = blocks or (INTERPRET_BLOCKS if interpret else getattr(GPU_TILES[h.dtype], kernel))
     meta = {
         "UPCAST": interpret and h.dtype == torch.bfloat16,
         "ACC": tl.float64 if h.dtype == torch.float64 else tl.float32,
@@ -115,7 +137,7 @@ def forward_stats(
     logp, ent, lse = (h.new_empty(n, dtype=cdt) for _ in range(3))
     if n == 0:
         return logp, ent, lse
-    ks, meta, b = _common(h, blocks)
+    ks, meta, b = _common(h, blocks, "fwd")
     splits = _splits(h.device, n, vocab, b, None)
     part = h.new_empty((4, splits, n) if splits > 1 else (0,), dtype=cdt)
     ks.fwd[(_grid(n, b.tokens)[0], splits)](
@@ -143,7 +165,8 @@ def backward_grads(
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """``(dh, dW, db)`` in the inputs' dtype (None where not in ``need``), of
     ``sum_t a_t logp_t + b_t H_t``; ``stats = (lse, H, a, b or None)``, compute dtype;
-    ``scale = (temperature, softcap or None)``."""
+    ``scale = (temperature, softcap or None)``; ``blocks`` the tiles of both kernels (None:
+    each kernel's own)."""
     n, vocab, dim = h.shape[0], w.shape[0], w.shape[1]
     cdt = torch.float64 if h.dtype == torch.float64 else torch.float32
     if not n:  # no token: zero gradients (no kernel runs)
@@ -155,13 +178,14 @@ def backward_grads(
     gb = w.new_empty(vocab, dtype=cdt) if need[2] else None
     if any(need):
         lse, ent, a, b_vec = stats
-        ks, meta, b = _common(h, blocks)
         args = (h, w, h if bias is None else bias, tok, tok if valid is None else valid,
                 lse, ent, a, a if b_vec is None else b_vec)  # fmt: skip
-        flags = {"HAS_BIAS": bias is not None, "HAS_VALID": valid is not None,
-                 "HAS_B": b_vec is not None, "HAS_CAP": scale[1] is not None} | meta  # fmt: skip
+        has = {"HAS_BIAS": bias is not None, "HAS_VALID": valid is not None,
+               "HAS_B": b_vec is not None, "HAS_CAP": scale[1] is not None}  # fmt: skip
         temp, cap = float(scale[0]), float(scale[1] or 1.0)
         if need[0]:  # dh in float32 (or float64) sums, one per vocabulary split
+            ks, meta, b = _common(h, blocks, "hidden")
+            flags = has | meta
             splits = _splits(h.device, n, vocab, b, n * dim * (8 if cdt == torch.float64 else 4))
             parts = h.new_empty((splits, n, dim), dtype=cdt)
             ks.bwd_hidden[(_grid(n, b.tokens)[0], splits)](
@@ -170,6 +194,8 @@ def backward_grads(
             gh = parts[0] if splits == 1 else parts.sum(0)  # in split order: same bits each run
             del parts
         if gw is not None or gb is not None:
+            ks, meta, b = _common(h, blocks, "weight")
+            flags = has | meta
             programs = min(_grid(vocab, b.vocab)[0], _programs(h.device))
             scratch = gw is not None and gw.dtype != cdt
             scr = h.new_empty((programs, b.vocab, dim) if scratch else (0,), dtype=cdt)
