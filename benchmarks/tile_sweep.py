@@ -8,8 +8,8 @@ written once per tile of the dimension it walks (docs/linear_loss.md): pass 1 th
 vocabulary, the hidden gradient the vocabulary (its traffic falls with the vocabulary
 tile), the weight gradient the tokens (it falls with the token tile). So the candidates
 differ per kernel: :data:`CANDIDATES`, tiles that compile for an H100 without spilling a
-register in bfloat16 (tests/test_triton_compile.py checks them, as
-``python -m tools.sm90_tiles`` found them). Each is timed alone with CUDA events, medians of
+register in bfloat16 under every supported Triton (tests/test_triton_compile.py checks
+them; .ci/triton runs it under each). Each is timed alone with CUDA events, medians of
 ``--repeats``, beside one ``h @ W.T`` (cuBLAS) as the unit; the current ``GPU_TILES`` entry
 is marked, and the fastest per kernel is printed as the ``KernelTiles`` to set. Nothing is
 written. Needs a CUDA device (tools/gpu_session.sh runs it).
@@ -32,9 +32,10 @@ from dapo_ops.logprobs._triton_linear import (
 )
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-#: Spill-free bfloat16 tiles per kernel (8 warps; 4 spill or sit at 255 registers):
-#: larger vocabulary tiles for the hidden gradient, larger token tiles for the weight
-#: gradient, both for pass 1.
+#: bfloat16 tiles per kernel that spill nothing under Triton 3.6 to 3.9 (8 warps; with 4
+#: most spill or sit at 255 registers): larger vocabulary tiles for the hidden gradient,
+#: larger token tiles for the weight gradient, both for pass 1. (32 x 256 for the hidden
+#: gradient and 256 x 64 for the weight gradient spill under 3.8 and 3.9 only.)
 CANDIDATES: dict[str, tuple[Blocks, ...]] = {
     "fwd": (
         Blocks(64, 64, 32, 8),
@@ -43,19 +44,8 @@ CANDIDATES: dict[str, tuple[Blocks, ...]] = {
         Blocks(64, 256, 32, 8),
         Blocks(128, 128, 32, 8),
     ),
-    "hidden": (
-        Blocks(64, 64, 32, 8),
-        Blocks(32, 128, 32, 8),
-        Blocks(32, 256, 32, 8),
-        Blocks(32, 128, 64, 8),
-    ),
-    "weight": (
-        Blocks(64, 64, 32, 8),
-        Blocks(128, 32, 32, 8),
-        Blocks(128, 64, 32, 8),
-        Blocks(256, 32, 32, 8),
-        Blocks(256, 64, 32, 8),
-    ),
+    "hidden": (Blocks(64, 64, 32, 8), Blocks(32, 128, 32, 8), Blocks(32, 128, 64, 8)),
+    "weight": (Blocks(64, 64, 32, 8), Blocks(128, 32, 32, 8), Blocks(256, 32, 32, 8)),
 }
 
 
