@@ -73,6 +73,18 @@ def test_linear_kernels_compile_for_sm90(dtype: str) -> None:
             assert "mma" not in code and "fma.rn.f" in code, name
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gradient_filter_compiles_without_spills(dtype: torch.dtype) -> None:
+    """Pass 2 with the opt-in gradient filter (a runtime branch around each tile's
+    products) at the GPU tiles, with the soft cap: no spilled register."""
+    kernels = {}
+    for field in ("hidden", "weight"):
+        kernels |= linear_kernels(dtype, GPU_TILES[dtype], True, field, filtered=True)
+    assert set(kernels) == {"bwd_hidden", "bwd_weight"}
+    for name, compiled in kernels.items():
+        assert spilled_bytes(compiled) == 0, name
+
+
 def test_tile_sweep_candidates_compile_without_spills() -> None:
     """Every tile benchmarks/tile_sweep.py times on a GPU compiles for its kernel, in
     bfloat16 with the soft cap, without a spilled register (the sweep times only those)."""

@@ -208,6 +208,61 @@ def test_vocabulary_splits(monkeypatch: pytest.MonkeyPatch, sms: int) -> None:
         assert torch.allclose(x, y, rtol=1e-10, atol=1e-12)
 
 
+def _filter_case(dtype: torch.dtype) -> tuple[Any, ...]:
+    """20 tokens x vocab 100 (2 x 4 interpreter tiles): the vocabulary past 32 is pushed
+    down by the bias except in a few columns, and 3 tokens (in the second token block)
+    are ids past 64, so that some tiles of G pass the filter and others do not."""
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(20, 16, generator=g, dtype=F64)
+    w = torch.randn(100, 16, generator=g, dtype=F64) * 0.5
+    bias = torch.full((100,), -9.0, dtype=F64)
+    bias[:32], bias[70] = 0.0, -2.0
+    tok = torch.randint(0, 32, (20,), generator=g)
+    tok[17:] = torch.tensor([70, 71, 99])
+    a, b = torch.randn(20, generator=g, dtype=F64), 0.3 * torch.randn(20, generator=g, dtype=F64)
+    return h.to(dtype), w.to(dtype), bias.to(dtype), tok, a, b
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.bfloat16])
+def test_gradient_filter_skips_exactly_the_tiles_below_the_bound(dtype: torch.dtype) -> None:
+    """The opt-in filter (``backward_grads(filter_eps=...)``, private until a GPU shows it
+    pays): a tile of G is skipped in both pass-2 kernels when every entry is at most
+    ``eps (|a_t| + |b_t|) / T``, so dh and dW equal the products of G with the skipped
+    tiles zeroed, and differ from the exact ones by at most that bound times the skipped
+    rows of W (of h); the bias gradient stays exact. bfloat16 weights take the
+    persistent kernel's float32 rows, zeroed again between vocabulary blocks."""
+    from dapo_ops.logprobs._softmax_blocks import LOGP_FLOOR
+
+    h, w, bias, tok, a, b = _filter_case(dtype)
+    temp, eps = 0.7, 1e-3
+    logp_all = torch.log_softmax((h.double() @ w.double().T + bias.double()) / temp, -1)
+    p = logp_all.exp()
+    ent = -(p * logp_all).sum(-1)
+    onehot = torch.nn.functional.one_hot(tok, 100).double()
+    big_g = (a[:, None] * (onehot - p) - b[:, None] * p * (logp_all.clamp_min(LOGP_FLOOR)
+             + ent[:, None])) / temp  # fmt: skip
+    tiles = (big_g.abs() > (eps * (a.abs() + b.abs()) / temp)[:, None]).double()
+    tiles = torch.nn.functional.pad(tiles, (0, 28, 0, 12)).view(2, 16, 4, 32).amax((1, 3))
+    assert 0 < tiles.sum() < tiles.numel(), tiles  # some tiles kept, some skipped
+    kept = tiles.repeat_interleave(16, 0)[:20].repeat_interleave(32, 1)[:, :100]
+    lse = torch.logsumexp((h.double() @ w.double().T + bias.double()) / temp, -1)
+    stats = (lse.float().double() if dtype != F64 else lse, ent, a, b)
+    stats = tuple(x.to(F64 if dtype == F64 else torch.float32) for x in stats)
+    got = triton_linear.backward_grads(
+        h, w, bias, tok, None, stats, (temp, None), (True, True, True), filter_eps=eps
+    )  # type: ignore[arg-type]
+    want = ((big_g * kept) @ w.double(), (big_g * kept).T @ h.double(), big_g.sum(0))
+    exact = (big_g @ w.double(), big_g.T @ h.double())
+    tol = 1e-10 if dtype == F64 else 2e-2
+    for x, y in zip(got, want, strict=True):
+        assert x is not None and torch.allclose(x.double(), y, rtol=tol, atol=tol * y.abs().max())
+    bound = eps * (a.abs() + b.abs()) / temp
+    if dtype == F64:  # the documented bound on what the filter leaves out
+        skipped = (1 - kept) * bound[:, None]
+        assert ((want[0] - exact[0]).abs() <= skipped @ w.abs() + 1e-15).all()
+        assert ((want[1] - exact[1]).abs() <= skipped.T @ h.abs() + 1e-15).all()
+
+
 def test_backend_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
     """A bad backend, chunk_size with the kernels, and CPU tensors without the
     interpreter are refused, naming the argument."""
@@ -238,5 +293,7 @@ def test_tile_sweep_runs_each_kernel() -> None:
     gh, gw, gb = sweep._runner(h, w, tok, "hidden", INTERPRET_BLOCKS)()
     assert gh.shape == h.shape and gw is None and gb is None
     gh, gw, gb = sweep._runner(h, w, tok, "weight", INTERPRET_BLOCKS)()
+    assert gh is None and gw.shape == w.shape and gb is None
+    gh, gw, gb = sweep._runner(h, w, tok, "weight", INTERPRET_BLOCKS, sweep.FILTER_EPS)()
     assert gh is None and gw.shape == w.shape and gb is None
     assert set(sweep.CANDIDATES) == {f.name for f in dataclasses.fields(triton_linear.KernelTiles)}

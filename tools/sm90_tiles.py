@@ -81,16 +81,28 @@ def linear_types(dtype: torch.dtype) -> dict[str, str]:
     accs = ("logp", "ent", "lse", "part", "a", "bb", "gh", "gb", "scr")
     types |= {f"{n}_ptr": f"*{acc}" for n in accs}
     types["gw_ptr"] = f"*{name}"  # the weight gradient in the weight's dtype
-    return types | {"tok_ptr": "*i64", "valid_ptr": "*i8", "temp": "fp32", "cap": "fp32"}
+    return types | {
+        "tok_ptr": "*i64",
+        "valid_ptr": "*i8",
+        "temp": "fp32",
+        "cap": "fp32",
+        "eps": "fp32",
+    }
 
 
 def linear_kernels(
-    dtype: torch.dtype, tiles: KernelTiles, cap: bool, only: str | None = None
+    dtype: torch.dtype,
+    tiles: KernelTiles,
+    cap: bool,
+    only: str | None = None,
+    filtered: bool = False,
 ) -> dict[str, Any]:
     """The kernels of :data:`LINEAR` (those of the ``only`` tiles field, if given) compiled
-    for ``dtype`` inputs with bias, mask and entropy gradient, each at its ``tiles``."""
+    for ``dtype`` inputs with bias, mask and entropy gradient, each at its ``tiles``;
+    ``filtered``: pass 2 with the opt-in gradient filter."""
     ks = load_kernels("dapo_ops.logprobs._triton_kernels", False)
     flags: dict[str, Any] = {"HAS_BIAS": True, "HAS_VALID": True, "HAS_CAP": cap}
+    flags["FILTER"] = filtered
     flags |= {"UPCAST": False, "ACC": tl.float64 if dtype == torch.float64 else tl.float32}
     types = linear_types(dtype)
     # a low-precision weight accumulates its gradient in float32 rows of its own

@@ -136,6 +136,17 @@ def _grad(z, t, rows, ok, live, tok, cols, col_ok, lse_ptr, ent_ptr, a_ptr, b_pt
 
 
 @triton.jit
+def _keep(g, rows, ok, a_ptr, b_ptr2, temp, eps, HAS_B: tl.constexpr):
+    """The gradient filter's test of a tile of ``G``: some entry above
+    ``eps (|a_t| + |b_t|) / T`` of its row (a tile below it everywhere is skipped)."""
+    scale = tl.abs(tl.load(a_ptr + rows, mask=ok, other=0.0))
+    if HAS_B:
+        scale += tl.abs(tl.load(b_ptr2 + rows, mask=ok, other=0.0))
+    over = tl.abs(g) > (eps * scale / temp)[:, None]
+    return _max(_max(over.to(tl.int32), 1), 0) > 0
+
+
+@triton.jit
 def _finish(m, s0, s1, zy, rows, ok, logp_ptr, ent_ptr, lse_ptr):
     log_s0 = tl.log(s0)
     lse = m + log_s0
@@ -213,12 +224,13 @@ def fwd_combine(part_ptr, logp_ptr, ent_ptr, lse_ptr, N, NSPLIT, ACC: tl.constex
 
 @triton.jit
 def bwd_hidden(h_ptr, w_ptr, b_ptr, tok_ptr, valid_ptr, lse_ptr, ent_ptr, a_ptr, bb_ptr,
-               gh_ptr, N, V, D, NSPLIT, temp, cap, HAS_BIAS: tl.constexpr,
+               gh_ptr, N, V, D, NSPLIT, temp, cap, eps, HAS_BIAS: tl.constexpr,
                HAS_VALID: tl.constexpr, HAS_B: tl.constexpr, HAS_CAP: tl.constexpr,
-               UPCAST: tl.constexpr, ACC: tl.constexpr,
+               FILTER: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
                BT: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr):  # fmt: skip
     """Program ``(i, s)``: token block ``i``'s ``dh`` over vocabulary blocks ``s, s +
-    NSPLIT, ...``, into ``gh[s]`` (``gh [NSPLIT, N, D]``; every split has a block)."""
+    NSPLIT, ...``, into ``gh[s]`` (``gh [NSPLIT, N, D]``; every split has a block). With
+    ``FILTER`` (``gh`` zeroed) a tile that :func:`_keep` rejects adds nothing."""
     split = tl.program_id(1)
     first = split * BV
     gh_ptr += split.to(tl.int64) * N * D
@@ -233,30 +245,39 @@ def bwd_hidden(h_ptr, w_ptr, b_ptr, tok_ptr, valid_ptr, lse_ptr, ent_ptr, a_ptr,
         z, t = _scaled(_tile(h_ptr, w_ptr, b_ptr, rows, live, cols, col_ok, D,
                              HAS_BIAS, UPCAST, ACC, BT, BV, BD), temp, cap, HAS_CAP)  # fmt: skip
         g = _grad(z, t, rows, ok, live, tok, cols, col_ok, lse_ptr, ent_ptr, a_ptr, bb_ptr,
-                  temp, HAS_B, HAS_CAP).to(w_ptr.dtype.element_ty)  # fmt: skip
-        for k0 in range(0, D, BD):
-            ks = k0 + tl.arange(0, BD)
-            k_ok = ks < D
-            w = tl.load(w_ptr + cols[:, None] * D + ks[None, :],
-                        mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-            at = gh_ptr + rows[:, None] * D + ks[None, :]
-            both = ok[:, None] & k_ok[None, :]
-            acc = tl.load(at, mask=both & (j > 0), other=0.0)  # the first tile from 0
-            tl.store(at, _dot(g, w, acc, UPCAST, ACC), mask=both)
-            tl.debug_barrier()  # this program's next read of the same rows sees it
+                  temp, HAS_B, HAS_CAP)  # fmt: skip
+        keep = True
+        if FILTER:
+            keep = _keep(g, rows, ok, a_ptr, bb_ptr, temp, eps, HAS_B)
+        g = g.to(w_ptr.dtype.element_ty)
+        if keep:
+            for k0 in range(0, D, BD):
+                ks = k0 + tl.arange(0, BD)
+                k_ok = ks < D
+                w = tl.load(w_ptr + cols[:, None] * D + ks[None, :],
+                            mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+                at = gh_ptr + rows[:, None] * D + ks[None, :]
+                both = ok[:, None] & k_ok[None, :]
+                # the first tile stores (no zeroed buffer), unless tiles may be skipped
+                acc = tl.load(at, mask=both & ((j > 0) | FILTER), other=0.0)
+                tl.store(at, _dot(g, w, acc, UPCAST, ACC), mask=both)
+                tl.debug_barrier()  # this program's next read of the same rows sees it
 
 
 @triton.jit
 def bwd_weight(h_ptr, w_ptr, b_ptr, tok_ptr, valid_ptr, lse_ptr, ent_ptr, a_ptr, bb_ptr,
-               gw_ptr, gb_ptr, scr_ptr, N, V, D, NPROG, temp, cap, HAS_BIAS: tl.constexpr,
-               HAS_VALID: tl.constexpr, HAS_B: tl.constexpr, HAS_CAP: tl.constexpr,
-               NEED_W: tl.constexpr, NEED_BIAS: tl.constexpr, SCRATCH: tl.constexpr,
-               UPCAST: tl.constexpr, ACC: tl.constexpr,
+               gw_ptr, gb_ptr, scr_ptr, N, V, D, NPROG, temp, cap, eps,
+               HAS_BIAS: tl.constexpr, HAS_VALID: tl.constexpr, HAS_B: tl.constexpr,
+               HAS_CAP: tl.constexpr, NEED_W: tl.constexpr, NEED_BIAS: tl.constexpr,
+               SCRATCH: tl.constexpr, FILTER: tl.constexpr, UPCAST: tl.constexpr,
+               ACC: tl.constexpr,
                BT: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr):  # fmt: skip
     """Persistent: program ``p`` of ``NPROG`` takes vocabulary blocks ``p, p + NPROG, ...``
     and accumulates each block's ``dW`` rows over the token tiles, in the weight gradient
     itself when it has the compute dtype, else (``SCRATCH``) in its own float32 rows
-    ``scr[p]``, written out in the weight's dtype when the block is done."""
+    ``scr[p]``, written out in the weight's dtype when the block is done. With ``FILTER``
+    (the accumulators zeroed) a tile that :func:`_keep` rejects adds nothing to ``dW``
+    (the bias gradient stays exact)."""
     pid = tl.program_id(0)
     lanes = tl.arange(0, BV).to(tl.int64)
     own = scr_ptr + pid.to(tl.int64) * BV * D
@@ -269,25 +290,30 @@ def bwd_weight(h_ptr, w_ptr, b_ptr, tok_ptr, valid_ptr, lse_ptr, ent_ptr, a_ptr,
             z, t = _scaled(_tile(h_ptr, w_ptr, b_ptr, rows, live, cols, col_ok, D,
                                  HAS_BIAS, UPCAST, ACC, BT, BV, BD), temp, cap, HAS_CAP)  # fmt: skip
             g = _grad(z, t, rows, ok, live, tok, cols, col_ok, lse_ptr, ent_ptr, a_ptr,
-                      bb_ptr, temp, HAS_B, HAS_CAP).to(w_ptr.dtype.element_ty)  # fmt: skip
+                      bb_ptr, temp, HAS_B, HAS_CAP)  # fmt: skip
+            keep = True
+            if FILTER:
+                keep = _keep(g, rows, ok, a_ptr, bb_ptr, temp, eps, HAS_B)
+            g = g.to(w_ptr.dtype.element_ty)
             if NEED_BIAS:
                 col_sum += _sum(g.to(ACC), 0)
-            if NEED_W:
-                gt = tl.trans(g)
-                for k0 in range(0, D, BD):
-                    ks = k0 + tl.arange(0, BD)
-                    k_ok = ks < D
-                    h = tl.load(h_ptr + rows[:, None] * D + ks[None, :],
-                                mask=live[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-                    if SCRATCH:
-                        at = own + lanes[:, None] * D + ks[None, :]
-                    else:
-                        at = gw_ptr + cols[:, None] * D + ks[None, :]
-                    both = col_ok[:, None] & k_ok[None, :]
-                    # the first token tile starts from 0: no zeroed buffer needed
-                    acc = tl.load(at, mask=both & (t0 > 0), other=0.0)
-                    tl.store(at, _dot(gt, h, acc, UPCAST, ACC), mask=both)
-                    tl.debug_barrier()  # this program's next read of the same rows sees it
+            if NEED_W:  # noqa: SIM102 (a constexpr, then a runtime branch)
+                if keep:
+                    gt = tl.trans(g)
+                    for k0 in range(0, D, BD):
+                        ks = k0 + tl.arange(0, BD)
+                        k_ok = ks < D
+                        h = tl.load(h_ptr + rows[:, None] * D + ks[None, :],
+                                    mask=live[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+                        if SCRATCH:
+                            at = own + lanes[:, None] * D + ks[None, :]
+                        else:
+                            at = gw_ptr + cols[:, None] * D + ks[None, :]
+                        both = col_ok[:, None] & k_ok[None, :]
+                        # the first tile stores (no zeroed buffer) unless tiles may be skipped
+                        acc = tl.load(at, mask=both & ((t0 > 0) | FILTER), other=0.0)
+                        tl.store(at, _dot(gt, h, acc, UPCAST, ACC), mask=both)
+                        tl.debug_barrier()  # this program's next read of the same rows sees it
         if NEED_W and SCRATCH:  # the block's rows, rounded once to the weight's dtype
             for k0 in range(0, D, BD):
                 ks = k0 + tl.arange(0, BD)
@@ -295,6 +321,9 @@ def bwd_weight(h_ptr, w_ptr, b_ptr, tok_ptr, valid_ptr, lse_ptr, ent_ptr, a_ptr,
                 acc = tl.load(own + lanes[:, None] * D + ks[None, :], mask=both, other=0.0)
                 tl.store(gw_ptr + cols[:, None] * D + ks[None, :],
                          acc.to(gw_ptr.dtype.element_ty), mask=both)  # fmt: skip
+                if FILTER:  # zero again for the next block, whose tiles all add
+                    tl.store(own + lanes[:, None] * D + ks[None, :],
+                             tl.full([BV, BD], 0.0, ACC), mask=both)  # fmt: skip
             tl.debug_barrier()  # the next block's first tile overwrites these rows
         if NEED_BIAS:
             tl.store(gb_ptr + cols, col_sum, mask=col_ok)

@@ -162,11 +162,14 @@ def backward_grads(
     scale: tuple[float, float | None],
     need: tuple[bool, bool, bool],
     blocks: Blocks | None = None,
+    filter_eps: float | None = None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """``(dh, dW, db)`` in the inputs' dtype (None where not in ``need``), of
     ``sum_t a_t logp_t + b_t H_t``; ``stats = (lse, H, a, b or None)``, compute dtype;
     ``scale = (temperature, softcap or None)``; ``blocks`` the tiles of both kernels (None:
-    each kernel's own)."""
+    each kernel's own). ``filter_eps`` (None: off, the exact result): skip the products of
+    a tile of ``G`` whose every entry is at most ``filter_eps (|a_t| + |b_t|) / T``
+    (private until a GPU shows that it pays; the bound: docs/linear_loss.md)."""
     n, vocab, dim = h.shape[0], w.shape[0], w.shape[1]
     cdt = torch.float64 if h.dtype == torch.float64 else torch.float32
     if not n:  # no token: zero gradients (no kernel runs)
@@ -174,7 +177,9 @@ def backward_grads(
                      for x, shape, want in ((h, h.shape, need[0]), (w, w.shape, need[1]),
                                             (w, (vocab,), need[2])))  # fmt: skip
     gh = None
-    gw = w.new_empty((vocab, dim)) if need[1] else None  # in the weight's dtype
+    filtered = filter_eps is not None
+    new = torch.zeros if filtered else torch.empty  # skipped tiles add nothing to zeros
+    gw = new((vocab, dim), dtype=w.dtype, device=w.device) if need[1] else None
     gb = w.new_empty(vocab, dtype=cdt) if need[2] else None
     if any(need):
         lse, ent, a, b_vec = stats
@@ -182,14 +187,14 @@ def backward_grads(
                 lse, ent, a, a if b_vec is None else b_vec)  # fmt: skip
         has = {"HAS_BIAS": bias is not None, "HAS_VALID": valid is not None,
                "HAS_B": b_vec is not None, "HAS_CAP": scale[1] is not None}  # fmt: skip
-        temp, cap = float(scale[0]), float(scale[1] or 1.0)
+        temp, cap, eps = float(scale[0]), float(scale[1] or 1.0), float(filter_eps or 0.0)
         if need[0]:  # dh in float32 (or float64) sums, one per vocabulary split
             ks, meta, b = _common(h, blocks, "hidden")
             flags = has | meta
             splits = _splits(h.device, n, vocab, b, n * dim * (8 if cdt == torch.float64 else 4))
-            parts = h.new_empty((splits, n, dim), dtype=cdt)
+            parts = new((splits, n, dim), dtype=cdt, device=h.device)
             ks.bwd_hidden[(_grid(n, b.tokens)[0], splits)](
-                *args, parts, n, vocab, dim, splits, temp, cap, **flags
+                *args, parts, n, vocab, dim, splits, temp, cap, eps, FILTER=filtered, **flags
             )
             gh = parts[0] if splits == 1 else parts.sum(0)  # in split order: same bits each run
             del parts
@@ -198,11 +203,11 @@ def backward_grads(
             flags = has | meta
             programs = min(_grid(vocab, b.vocab)[0], _programs(h.device))
             scratch = gw is not None and gw.dtype != cdt
-            scr = h.new_empty((programs, b.vocab, dim) if scratch else (0,), dtype=cdt)
+            scr = new((programs, b.vocab, dim) if scratch else (0,), dtype=cdt, device=h.device)
             ks.bwd_weight[(programs,)](
                 *args, h if gw is None else gw, h if gb is None else gb, scr, n, vocab, dim,
-                programs, temp, cap, NEED_W=gw is not None, NEED_BIAS=gb is not None,
-                SCRATCH=scratch, **flags,
+                programs, temp, cap, eps, NEED_W=gw is not None, NEED_BIAS=gb is not None,
+                SCRATCH=scratch, FILTER=filtered, **flags,
             )  # fmt: skip
     return (
         None if gh is None else gh.to(h.dtype),
