@@ -36,6 +36,7 @@ fi
   $py -c "from benchmarks.environment import peers; print('peers', peers())"
 } | tee "$OUT/env.txt"
 
+skipped=""
 step() {  # step NAME SECONDS COMMAND...: run it within its limit and what is left, log under $OUT
   local name=$1 limit=$2 left=$((TOTAL_S - SECONDS - 5))
   shift 2
@@ -43,6 +44,7 @@ step() {  # step NAME SECONDS COMMAND...: run it within its limit and what is le
   [ "$left" -lt "$limit" ] && limit=$left
   if [ "$limit" -lt 20 ]; then
     echo "== $name: skipped (a limit of $limit s; $left s left of TOTAL_S)"
+    skipped="$skipped $name"
     return 0
   fi
   local t0=$SECONDS
@@ -71,3 +73,6 @@ step tiles "${TILES_S:-60}" $py -m benchmarks.tile_sweep
 cat "$OUT/tiles.log" 2>/dev/null | tail -16
 step tiles_7b "${TILES_7B_S:-60}" $py -m benchmarks.tile_sweep --shape 8192x4096x151936 --repeats 5
 cat "$OUT/tiles_7b.log" 2>/dev/null | tail -16
+if [ -n "$skipped" ]; then  # what a second device command would run (the others set to 0)
+  echo "== not run for lack of time:$skipped; e.g. TESTS_S=0 LINEAR_S=0 OUT=out2 bash $0"
+fi
