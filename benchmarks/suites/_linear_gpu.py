@@ -19,6 +19,7 @@ from benchmarks.environment import installed
 from benchmarks.harness import Case, Result, Target
 from benchmarks.pending import pending
 from benchmarks.targets import at_most, compare
+from dapo_ops.logprobs._triton_linear import GPU_TILES
 
 CCE = "cut-cross-entropy"
 TRITON = "backend='triton'"
@@ -57,12 +58,13 @@ def kernel_budget(n: int, dim: int, vocab: int, dtype: torch.dtype, programs: in
     """Issue 30's memory limit for the kernels, in the dtypes they accumulate in: the
     hidden gradient in float32 (``n x d x 4``) plus its copy in the input dtype, the
     weight gradient in the weight's dtype, for bfloat16/float16 weights the float32 rows
-    its persistent kernel accumulates (``programs x 64 x d x 4``: one per multiprocessor,
-    132 on an H100, 64 vocabulary rows each; instead of a ``vocab x d x 4`` buffer), and
-    64 MiB."""
+    its persistent kernel accumulates (``programs x rows x d x 4``: one program per
+    multiprocessor, 132 on an H100, each with the weight kernel's vocabulary tile of rows;
+    instead of a ``vocab x d x 4`` buffer), and 64 MiB (which holds the hidden gradient's
+    vocabulary splits, at most ``SPLIT_BYTES``)."""
     size = torch.empty((), dtype=dtype).element_size()
     hidden = n * dim * (4 + (size if size != 4 else 0))
-    rows = programs * 64 * dim * 4 if size < 4 else 0
+    rows = programs * GPU_TILES[dtype].weight.vocab * dim * 4 if size < 4 else 0
     return hidden + vocab * dim * size + rows + SLACK
 
 
