@@ -235,7 +235,8 @@ def test_gradient_filter_skips_exactly_the_tiles_below_the_bound(dtype: torch.dt
 
     h, w, bias, tok, a, b = _filter_case(dtype)
     temp, eps = 0.7, 1e-3
-    logp_all = torch.log_softmax((h.double() @ w.double().T + bias.double()) / temp, -1)
+    z = (h.double() @ w.double().T + bias.double()) / temp
+    logp_all = torch.log_softmax(z, -1)
     p = logp_all.exp()
     ent = -(p * logp_all).sum(-1)
     onehot = torch.nn.functional.one_hot(tok, 100).double()
@@ -245,9 +246,8 @@ def test_gradient_filter_skips_exactly_the_tiles_below_the_bound(dtype: torch.dt
     tiles = torch.nn.functional.pad(tiles, (0, 28, 0, 12)).view(2, 16, 4, 32).amax((1, 3))
     assert 0 < tiles.sum() < tiles.numel(), tiles  # some tiles kept, some skipped
     kept = tiles.repeat_interleave(16, 0)[:20].repeat_interleave(32, 1)[:, :100]
-    lse = torch.logsumexp((h.double() @ w.double().T + bias.double()) / temp, -1)
-    stats = (lse.float().double() if dtype != F64 else lse, ent, a, b)
-    stats = tuple(x.to(F64 if dtype == F64 else torch.float32) for x in stats)
+    compute = F64 if dtype == F64 else torch.float32
+    stats = tuple(x.to(compute) for x in (torch.logsumexp(z, -1), ent, a, b))
     got = triton_linear.backward_grads(
         h, w, bias, tok, None, stats, (temp, None), (True, True, True), filter_eps=eps
     )  # type: ignore[arg-type]
