@@ -32,11 +32,12 @@ def test_the_7b_shape_and_the_gpu_rows_are_cuda_only() -> None:
 
 def test_kernel_budget_counts_the_accumulators() -> None:
     """bf16 at the 7B shape: dh in float32 and bf16, dW in bf16, 132 programs' float32
-    rows of 64 x d, 64 MiB; fp32: dh and dW in float32, no rows."""
+    rows of 64 x d, 64 MiB; fp32 (fp64): dh and dW in float32 (float64), no rows."""
     n, d, v = 8192, 4096, 151936
     want = n * d * 6 + v * d * 2 + 132 * 64 * d * 4 + 64 * MiB
     assert kernel_budget(n, d, v, torch.bfloat16) == want
     assert kernel_budget(n, d, v, torch.float32) == n * d * 4 + v * d * 4 + 64 * MiB
+    assert kernel_budget(n, d, v, torch.float64) == n * d * 8 + v * d * 8 + 64 * MiB
 
 
 def _result(impl: str, ms: float, mem_mib: float, size: str = "2048x896x32000") -> Result:

@@ -62,8 +62,9 @@ def kernel_budget(n: int, dim: int, vocab: int, dtype: torch.dtype, programs: in
     multiprocessor, 132 on an H100, each with the weight kernel's vocabulary tile of rows;
     instead of a ``vocab x d x 4`` buffer), and 64 MiB (which holds the hidden gradient's
     vocabulary splits, at most ``SPLIT_BYTES``)."""
-    size = torch.empty((), dtype=dtype).element_size()
-    hidden = n * dim * (4 + (size if size != 4 else 0))
+    size = dtype.itemsize
+    acc = 8 if dtype == torch.float64 else 4  # the kernels' accumulation dtype
+    hidden = n * dim * (acc + (size if size < acc else 0))  # + the copy in the input dtype
     rows = programs * GPU_TILES[dtype].weight.vocab * dim * 4 if size < 4 else 0
     return hidden + vocab * dim * size + rows + SLACK
 
@@ -85,16 +86,16 @@ def triton_targets(
         compare(f"{where}: time / cut-cross-entropy", ours, cce, 1.0, faster=False),
         compare(f"{where}: time / Liger (eager)", ours, rs.get(liger), 1.0, faster=False),
     ]
-    mem = ours.mem / 2**20 if ours is not None and ours.mem is not None else None
+    mem = ours.mem if ours is not None else None
     base = rs.get(naive)
     if base is not None and base.mem is not None:
         name = f"{where}: extra peak / the naive path's"
-        out.append(at_most(name, None if mem is None else mem * 2**20 / base.mem, 1.0, "x", why))
+        out.append(at_most(name, None if mem is None else mem / base.mem, 1.0, "x", why))
     n, dim, vocab = (int(s) for s in case.size.split("x"))
     dtype = torch.bfloat16 if "bf16" in case.op else torch.float32
     limit = kernel_budget(n, dim, vocab, dtype) / 2**20
     name = f"{where}: extra peak (gradients in their accumulation dtypes + 64 MiB)"
-    out.append(at_most(name, mem, limit, " MiB", why))
+    out.append(at_most(name, None if mem is None else mem / 2**20, limit, " MiB", why))
     for t in out:  # a row not measured: say why (pending, or its error)
         if t.met is None and why:
             t.reason = why

@@ -191,7 +191,7 @@ def backward_grads(
         if need[0]:  # dh in float32 (or float64) sums, one per vocabulary split
             ks, meta, b = _common(h, blocks, "hidden")
             flags = has | meta
-            splits = _splits(h.device, n, vocab, b, n * dim * (8 if cdt == torch.float64 else 4))
+            splits = _splits(h.device, n, vocab, b, n * dim * cdt.itemsize)
             parts = new((splits, n, dim), dtype=cdt, device=h.device)
             ks.bwd_hidden[(_grid(n, b.tokens)[0], splits)](
                 *args, parts, n, vocab, dim, splits, temp, cap, eps, FILTER=filtered, **flags
