@@ -239,6 +239,7 @@ def fused_reference(
     temperature: float = 1.0,
     w_logp: torch.Tensor | None = None,
     w_entropy: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None,
 ) -> FusedReference:
     r"""Exact values and error bounds of log-probs, entropies and the gradients w.r.t.
     ``hidden [rows, d]``, ``weight [V, d]`` and ``bias [V]`` of the logits
@@ -256,6 +257,10 @@ def fused_reference(
     - ``dW = G.T @ h``, summed over blocks of rows: ``G_err'.T @ |h| + g(rows) (...)``,
       plus ``r(|G|.T @ |h|)`` for the per-block rounding of a bfloat16 matmul, plus
       ``r`` of the result; ``db = G.sum(0)``: the same with ``|h| = 1``.
+
+    ``keep`` (0/1, ``[rows, V]``, None meaning all ones): the entries of ``G`` the
+    matmuls see (a gradient filter's kept tiles); ``G`` and its bound are multiplied by
+    it, so the gradients and bounds are those of the filtered sums.
     """
     in_dtype = hidden.dtype
     acc = torch.float64 if in_dtype == torch.float64 else torch.float32
@@ -280,6 +285,8 @@ def fused_reference(
         dtype=acc,
     )
     g, g_err = soft.grad, soft.grad_err
+    if keep is not None:
+        g, g_err = g * keep, g_err * keep
     g_err = g_err + rnd(g.abs() + g_err)  # the gradient rounded to the input dtype
     g_mag = g.abs() + g_err
     rows, vocab = g.shape

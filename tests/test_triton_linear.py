@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from _bounds import assert_within
+from _bounds import assert_within, fused_reference, unit_roundoff
 from _launches import record_launches
 from _strategies import projection_leaves
 from test_linear_loss import (
@@ -208,15 +208,47 @@ def test_vocabulary_splits(monkeypatch: pytest.MonkeyPatch, sms: int) -> None:
         assert torch.allclose(x, y, rtol=1e-10, atol=1e-12)
 
 
+def test_bfloat16_gradient_tiles_round_to_nearest_even() -> None:
+    """``G`` is rounded to bfloat16 before the matmuls, and the weight gradient's float32
+    rows when written out, to nearest even, as a GPU's cast rounds (the interpreter's
+    own cast truncates: the kernels round the bits first). A case where ``G`` is exactly
+    ``+-a``: vocabulary 2, the sampled column's probability 0 in float32 (its bias
+    -200), so the other's is 1; ``h`` the identity and ``W`` ones in the sampled row, so
+    ``dW`` and ``dh`` are one rounded ``G`` entry each. The values ``a``: ties either
+    way (to even), just above and below a tie, a carry into the exponent, negative ones
+    and one below the smallest normal bfloat16."""
+    n = 16
+    bits = [0x3F808000, 0x3F818000, 0x3F808001, 0x3F807FFF, 0x3F7FFFFF, 0x3F7F8000,
+            0xBF808000, 0xBF818000, 0xBFFFFFFF, 0x40490FDB, 0xC0490FDB, 0x00C00000,
+            0x3EAAAAAB, 0x3F7F7FFF, 0x477FFF00, 0x80000000]  # fmt: skip
+    a = torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    h = torch.eye(n, dtype=torch.bfloat16)
+    w = torch.zeros(2, n, dtype=torch.bfloat16)
+    w[1] = 1.0
+    bias = torch.tensor([0.0, -200.0], dtype=torch.bfloat16)
+    tok = torch.ones(n, dtype=torch.int64)
+    stats = (torch.zeros(n), torch.zeros(n), a, None)  # lse 0 and H 0: p = (1, 0)
+    dh, dw, db = triton_linear.backward_grads(
+        h, w, bias, tok, None, stats, (1.0, None), (True, True, True)
+    )  # type: ignore[arg-type]
+    want = a.to(torch.bfloat16)
+    assert dh is not None and dw is not None and db is not None
+    assert torch.equal(dw[1], want) and torch.equal(dw[0], -want)
+    assert torch.equal(dh, want[:, None].expand(n, n))
+    total = want.double().sum().to(torch.bfloat16)  # ~65550: any float32 order rounds to it
+    assert torch.equal(db, torch.stack([-total, total]))
+
+
 def _filter_case(dtype: torch.dtype) -> tuple[Any, ...]:
     """20 tokens x vocab 100 (2 x 4 interpreter tiles): the vocabulary past 32 is pushed
-    down by the bias except in a few columns, and 3 tokens (in the second token block)
-    are ids past 64, so that some tiles of G pass the filter and others do not."""
+    down by the bias except column 70 (which alone keeps its tile in the first token
+    block), and 3 tokens (in the second token block) are ids past 64, so that some tiles
+    of G pass the filter and others do not, none of them near the bound."""
     g = torch.Generator().manual_seed(3)
     h = torch.randn(20, 16, generator=g, dtype=F64)
     w = torch.randn(100, 16, generator=g, dtype=F64) * 0.5
     bias = torch.full((100,), -9.0, dtype=F64)
-    bias[:32], bias[70] = 0.0, -2.0
+    bias[:32], bias[70] = 0.0, 0.0
     tok = torch.randint(0, 32, (20,), generator=g)
     tok[17:] = torch.tensor([70, 71, 99])
     a, b = torch.randn(20, generator=g, dtype=F64), 0.3 * torch.randn(20, generator=g, dtype=F64)
@@ -227,40 +259,51 @@ def _filter_case(dtype: torch.dtype) -> tuple[Any, ...]:
 def test_gradient_filter_skips_exactly_the_tiles_below_the_bound(dtype: torch.dtype) -> None:
     """The opt-in filter (``backward_grads(filter_eps=...)``, private until a GPU shows it
     pays): a tile of G is skipped in both pass-2 kernels when every entry is at most
-    ``eps (|a_t| + |b_t|) / T``, so dh and dW equal the products of G with the skipped
-    tiles zeroed, and differ from the exact ones by at most that bound times the skipped
-    rows of W (of h); the bias gradient stays exact. bfloat16 weights take the
-    persistent kernel's float32 rows, zeroed again between vocabulary blocks."""
-    from dapo_ops.logprobs._softmax_blocks import LOGP_FLOOR
-
+    ``eps (|a_t| + |b_t|) / T``, so dh and dW are the products of G with the skipped
+    tiles zeroed (within the derived bounds of those products), and differ from the exact
+    ones by at most that bound times the skipped rows of W (of h); the bias gradient sums
+    the whole G. bfloat16 weights take the persistent kernel's float32 rows, zeroed again
+    between vocabulary blocks. The case is checked to be decided: every tile is kept or
+    skipped whatever rounding within G's bound the kernel's G carries."""
     h, w, bias, tok, a, b = _filter_case(dtype)
     temp, eps = 0.7, 1e-3
-    z = (h.double() @ w.double().T + bias.double()) / temp
-    logp_all = torch.log_softmax(z, -1)
-    p = logp_all.exp()
-    ent = -(p * logp_all).sum(-1)
-    onehot = torch.nn.functional.one_hot(tok, 100).double()
-    big_g = (a[:, None] * (onehot - p) - b[:, None] * p * (logp_all.clamp_min(LOGP_FLOOR)
-             + ent[:, None])) / temp  # fmt: skip
-    tiles = (big_g.abs() > (eps * (a.abs() + b.abs()) / temp)[:, None]).double()
-    tiles = torch.nn.functional.pad(tiles, (0, 28, 0, 12)).view(2, 16, 4, 32).amax((1, 3))
+    compute = F64 if dtype == F64 else torch.float32
+    a, b = a.to(compute).double(), b.to(compute).double()  # the values the kernel is given
+    full = fused_reference(h, w, tok, bias=bias, temperature=temp, w_logp=a, w_entropy=b)
+    big_g, g_err = full.soft.grad, full.soft.grad_err
+    bound = eps * (a.abs() + b.abs()) / temp
+    u = unit_roundoff(compute)  # the threshold's own rounding in the kernel: 3 operations
+    over = (big_g.abs() - g_err > (bound * (1 + 4 * u))[:, None]).double()
+    maybe = (big_g.abs() + g_err > (bound * (1 - 4 * u))[:, None]).double()
+
+    def per_tile(x: torch.Tensor) -> torch.Tensor:  # interpreter tiles: 16 tokens x 32 vocab
+        return torch.nn.functional.pad(x, (0, 28, 0, 12)).view(2, 16, 4, 32).amax((1, 3))
+
+    tiles = per_tile(over)
+    assert torch.equal(tiles, per_tile(maybe)), "a tile lies within rounding of the bound"
     assert 0 < tiles.sum() < tiles.numel(), tiles  # some tiles kept, some skipped
     kept = tiles.repeat_interleave(16, 0)[:20].repeat_interleave(32, 1)[:, :100]
-    compute = F64 if dtype == F64 else torch.float32
+    z = (h.double() @ w.double().T + bias.double()) / temp
+    ent = full.soft.entropy
     stats = tuple(x.to(compute) for x in (torch.logsumexp(z, -1), ent, a, b))
     got = triton_linear.backward_grads(
         h, w, bias, tok, None, stats, (temp, None), (True, True, True), filter_eps=eps
     )  # type: ignore[arg-type]
-    want = ((big_g * kept) @ w.double(), (big_g * kept).T @ h.double(), big_g.sum(0))
-    exact = (big_g @ w.double(), big_g.T @ h.double())
-    tol = 1e-10 if dtype == F64 else 2e-2
-    for x, y in zip(got, want, strict=True):
-        assert x is not None and torch.allclose(x.double(), y, rtol=tol, atol=tol * y.abs().max())
-    bound = eps * (a.abs() + b.abs()) / temp
-    if dtype == F64:  # the documented bound on what the filter leaves out
-        skipped = (1 - kept) * bound[:, None]
-        assert ((want[0] - exact[0]).abs() <= skipped @ w.abs() + 1e-15).all()
-        assert ((want[1] - exact[1]).abs() <= skipped.T @ h.abs() + 1e-15).all()
+    want = fused_reference(
+        h, w, tok, bias=bias, temperature=temp, w_logp=a, w_entropy=b, keep=kept
+    )  # fmt: skip
+    for x, y, e, name in (
+        (got[0], want.grad_hidden, want.grad_hidden_err, "d hidden"),
+        (got[1], want.grad_weight, want.grad_weight_err, "d weight"),
+        (got[2], full.grad_bias, full.grad_bias_err, "d bias"),
+    ):
+        assert x is not None and x.dtype == dtype
+        assert_within(x, y, e, f"{dtype} {name}")
+    # the documented bound on what the filter leaves out (exact values)
+    skipped = (1 - kept) * bound[:, None]
+    w_abs, h_abs = w.double().abs(), h.double().abs()
+    assert ((want.grad_hidden - full.grad_hidden).abs() <= skipped @ w_abs + 1e-15).all()
+    assert ((want.grad_weight - full.grad_weight).abs() <= skipped.T @ h_abs + 1e-15).all()
 
 
 def test_backend_refusals(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -174,7 +174,7 @@ class TritonLoss:
         batch, seq = u.shape
         block, _, warps = _blocks(u.dtype)
         chunks = max(-(-seq // block), 1)
-        # Triton 3.6's interpreter rounds float32 -> bfloat16 toward zero: there torch casts
+        # Triton's interpreter (3.6 to 3.9) rounds float32 -> bfloat16 toward zero: torch casts
         wide = interpreting() and dtype == torch.bfloat16
         out = torch.empty((batch, seq), dtype=u.dtype if wide else dtype, device=u.device)
         tl = self.kernels.tl

@@ -50,6 +50,19 @@ def _max(x, axis: tl.constexpr):
 
 
 @triton.jit
+def _narrow(x, dtype: tl.constexpr):
+    """``x`` in ``dtype``, rounded to nearest even as a GPU's cast rounds. The interpreter
+    (Triton 3.6 to 3.9) truncates a float32 -> bfloat16 cast (its explicit "rtne" mode
+    drops the carry into the exponent), so there the bits are rounded first (finite
+    ``x``: bias ``0x7FFF`` plus the kept last bit, then cut) and the cast is exact."""
+    if INTERPRETED and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
 def _dot(a, b, acc, UPCAST: tl.constexpr, ACC: tl.constexpr):
     # UPCAST (interpreter only): its bfloat16 dot is wrong; bfloat16 products are exact
     # in float32, so the float32 dot of the upcast tiles is the same arithmetic.
@@ -249,7 +262,7 @@ def bwd_hidden(h_ptr, w_ptr, b_ptr, tok_ptr, valid_ptr, lse_ptr, ent_ptr, a_ptr,
         keep = True
         if FILTER:
             keep = _keep(g, rows, ok, a_ptr, bb_ptr, temp, eps, HAS_B)
-        g = g.to(w_ptr.dtype.element_ty)
+        g = _narrow(g, w_ptr.dtype.element_ty)
         if keep:
             for k0 in range(0, D, BD):
                 ks = k0 + tl.arange(0, BD)
@@ -294,7 +307,7 @@ def bwd_weight(h_ptr, w_ptr, b_ptr, tok_ptr, valid_ptr, lse_ptr, ent_ptr, a_ptr,
             keep = True
             if FILTER:
                 keep = _keep(g, rows, ok, a_ptr, bb_ptr, temp, eps, HAS_B)
-            g = g.to(w_ptr.dtype.element_ty)
+            g = _narrow(g, w_ptr.dtype.element_ty)
             if NEED_BIAS:
                 col_sum += _sum(g.to(ACC), 0)
             if NEED_W:  # noqa: SIM102 (a constexpr, then a runtime branch)
@@ -320,7 +333,7 @@ def bwd_weight(h_ptr, w_ptr, b_ptr, tok_ptr, valid_ptr, lse_ptr, ent_ptr, a_ptr,
                 both = col_ok[:, None] & (ks < D)[None, :]
                 acc = tl.load(own + lanes[:, None] * D + ks[None, :], mask=both, other=0.0)
                 tl.store(gw_ptr + cols[:, None] * D + ks[None, :],
-                         acc.to(gw_ptr.dtype.element_ty), mask=both)  # fmt: skip
+                         _narrow(acc, gw_ptr.dtype.element_ty), mask=both)  # fmt: skip
                 if FILTER:  # zero again for the next block, whose tiles all add
                     tl.store(own + lanes[:, None] * D + ks[None, :],
                              tl.full([BV, BD], 0.0, ACC), mask=both)  # fmt: skip
