@@ -1,5 +1,5 @@
-"""The Triton kernels compile for an H100 (``sm_90``) on a machine without a GPU, and
-their tiles fit in registers.
+"""The Triton kernels compile for an H100 (``sm_90``; the linear ones for an A100,
+``sm_80``, too) on a machine without a GPU, and their tiles fit in registers.
 
 Triton's interpreter (tests/test_triton_linear.py, tests/test_triton_loss.py) runs the
 kernels' arithmetic in numpy; it does not apply the compiled language's rules: what
@@ -43,6 +43,7 @@ from dapo_ops.logprobs._triton_linear import GPU_TILES, KernelTiles  # noqa: E40
 
 sm90 = pytest.importorskip("tools.sm90_tiles", reason="run from the repository root")
 compile_h100, linear_kernels, usage = sm90.compile_h100, sm90.linear_kernels, sm90.usage
+A100, SHARED_LIMIT = sm90.A100, sm90.SHARED_LIMIT
 
 
 @pytest.fixture(autouse=True)
@@ -55,22 +56,46 @@ def spilled_bytes(compiled: Any) -> int:
     return int(usage(compiled)["STACK"])
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp64"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16", "fp64"])
 def test_linear_kernels_compile_for_sm90(dtype: str) -> None:
     """Pass 1 (whole and split over the vocabulary, and the splits' merge) and both pass-2
     kernels, with bias, mask, entropy gradient and soft cap, at the tiles a GPU runs,
     without a spilled register."""
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}[dtype]
+    torch_dtype = {v: k for k, v in sm90.NAMES.items()}[dtype]
     tiles = GPU_TILES[torch_dtype]
     for name, compiled in linear_kernels(torch_dtype, tiles, cap=True).items():
         code = compiled.asm["ptx"]
         assert spilled_bytes(compiled) == 0, f"{name}: {tiles} spills registers"
+        assert compiled.metadata.shared <= SHARED_LIMIT[90], name
         if name == "fwd_combine":  # the splits' merge: no tile
             continue
-        if dtype == "bf16":  # tensor cores, products accumulated in float32
-            assert "wgmma.mma_async.sync.aligned" in code and ".f32.bf16.bf16" in code, name
+        if dtype in ("bf16", "fp16"):  # tensor cores, products accumulated in float32
+            half = dtype.replace("fp", "f")
+            assert "wgmma.mma_async.sync.aligned" in code and f".f32.{half}.{half}" in code, name
         else:  # float32 "ieee" and float64: on the CUDA cores
             assert "mma" not in code and "fma.rn.f" in code, name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_linear_kernels_compile_for_sm80(dtype: torch.dtype) -> None:
+    """The same kernels at the same tiles for an A100 (``sm_80``), pass 2 also with the
+    gradient filter: half-precision tiles on its tensor cores (``mma.sync``; ``wgmma`` is
+    ``sm_90``'s), no spilled register, and the shared memory within an A100's 163 KiB a
+    program (a launch past it would fail)."""
+    tiles = GPU_TILES[dtype]
+    kernels = linear_kernels(dtype, tiles, True, target=A100)
+    for field in ("hidden", "weight"):
+        filtered = linear_kernels(dtype, tiles, True, field, filtered=True, target=A100)
+        kernels |= {f"{name}+filter": compiled for name, compiled in filtered.items()}
+    half = {torch.bfloat16: "bf16", torch.float16: "f16"}.get(dtype)
+    for name, compiled in kernels.items():
+        code = compiled.asm["ptx"]
+        assert ".target sm_80" in code, name
+        assert spilled_bytes(compiled) == 0, f"{name}: {tiles} spills registers on sm_80"
+        assert compiled.metadata.shared <= SHARED_LIMIT[80], (name, compiled.metadata.shared)
+        if half and name != "fwd_combine":
+            assert "wgmma" not in code and "mma.sync.aligned" in code, name
+            assert f".f32.{half}.{half}.f32" in code, name
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -1,8 +1,10 @@
-"""Compile the Triton kernels for an H100 (``sm_90``) without a GPU, and read what the
-compiler made of them: registers, bytes spilled to local memory, shared memory.
+"""Compile the Triton kernels for an H100 (``sm_90``; an A100, ``sm_80``, with ``--sm80``)
+without a GPU, and read what the compiler made of them: registers, bytes spilled to
+local memory, shared memory.
 
 python -m tools.sm90_tiles            # the tile search of the linear kernels, bf16 and fp32
 python -m tools.sm90_tiles --chosen   # the tiles the library runs (GPU_TILES)
+python -m tools.sm90_tiles --chosen --sm80   # either, for an A100
 
 Triton's own toolchain does the work (its bundled ``ptxas`` and ``cuobjdump``), so this
 runs on any machine with the ``triton`` wheel. A tile that spills registers reads and
@@ -30,6 +32,12 @@ from dapo_ops._core._triton import launch_options, load_kernels
 from dapo_ops.logprobs._triton_linear import GPU_TILES, Blocks, KernelTiles
 
 H100 = GPUTarget("cuda", 90, 32)
+#: An A100 (``sm_80``: ``mma.sync`` tensor cores, no ``wgmma``), the other GPU of RL
+#: fine-tuning; the kernels run there at the same tiles.
+A100 = GPUTarget("cuda", 80, 32)
+#: Shared memory one program may use (bytes, the opt-in maximum per block): 227 KiB on
+#: an H100, 163 KiB on an A100 (CUDA C++ Programming Guide, compute capabilities table).
+SHARED_LIMIT = {90: 227 * 1024, 80: 163 * 1024}
 NAMES = {
     torch.float32: "fp32",
     torch.bfloat16: "bf16",
@@ -48,16 +56,20 @@ LINEAR = (
 
 
 def compile_h100(
-    kernel: Any, types: dict[str, str], constants: dict[str, Any], warps: int = 4
+    kernel: Any,
+    types: dict[str, str],
+    constants: dict[str, Any],
+    warps: int = 4,
+    target: GPUTarget = H100,
 ) -> Any:
-    """``kernel`` compiled for an H100: every argument typed by ``types`` (pointers by
-    name, ``i32`` otherwise) or bound by ``constants`` (those it takes)."""
+    """``kernel`` compiled for an H100 (or ``target``): every argument typed by ``types``
+    (pointers by name, ``i32`` otherwise) or bound by ``constants`` (those it takes)."""
     constants = {k: v for k, v in constants.items() if k in kernel.arg_names}
     signature = {
         n: "constexpr" if n in constants else types.get(n, "i32") for n in kernel.arg_names
     }
     src = ASTSource(fn=kernel, signature=signature, constexprs=constants)
-    return triton.compile(src, target=H100, options=launch_options(warps))
+    return triton.compile(src, target=target, options=launch_options(warps))
 
 
 def usage(compiled: Any) -> dict[str, int]:
@@ -96,10 +108,11 @@ def linear_kernels(
     cap: bool,
     only: str | None = None,
     filtered: bool = False,
+    target: GPUTarget = H100,
 ) -> dict[str, Any]:
     """The kernels of :data:`LINEAR` (those of the ``only`` tiles field, if given) compiled
-    for ``dtype`` inputs with bias, mask and entropy gradient, each at its ``tiles``;
-    ``filtered``: pass 2 with the opt-in gradient filter."""
+    for ``dtype`` inputs with bias, mask and entropy gradient, each at its ``tiles``, for
+    ``target``; ``filtered``: pass 2 with the opt-in gradient filter."""
     ks = load_kernels("dapo_ops.logprobs._triton_kernels", False)
     flags: dict[str, Any] = {"HAS_BIAS": True, "HAS_VALID": True, "HAS_CAP": cap}
     flags["FILTER"] = filtered
@@ -113,27 +126,29 @@ def linear_kernels(
             continue
         b: Blocks = getattr(tiles, field)
         sizes = {"BT": b.tokens, "BV": b.vocab, "BD": b.dim}
-        out[label] = compile_h100(getattr(ks, kernel), types, flags | sizes | extra, b.warps)
+        kernel_fn = getattr(ks, kernel)
+        out[label] = compile_h100(kernel_fn, types, flags | sizes | extra, b.warps, target)
     return out
 
 
-def _row(dtype: torch.dtype, tiles: KernelTiles, only: str | None = None) -> str:
+def _row(dtype: torch.dtype, tiles: KernelTiles, target: GPUTarget = H100) -> str:
     cells = []
     for cap in (False, True):
-        for name, compiled in linear_kernels(dtype, tiles, cap, only).items():
+        for name, compiled in linear_kernels(dtype, tiles, cap, target=target).items():
             u = usage(compiled)
             cells.append(f"{name}{'+cap' if cap else ''} {u['REG']}r/{u['STACK']}B")
     return f"{NAMES[dtype]} {tiles}: " + ", ".join(cells)
 
 
 def main(argv: list[str]) -> int:
+    target = A100 if "--sm80" in argv else H100
     if "--chosen" in argv:
         for dtype, tiles in GPU_TILES.items():
-            print(_row(dtype, tiles), flush=True)
+            print(_row(dtype, tiles, target), flush=True)
         return 0
     for dtype in (torch.bfloat16, torch.float32):
         for *sizes, warps in itertools.product((32, 64, 128), (64, 128), (32, 64), (4, 8)):
-            print(_row(dtype, KernelTiles.same(Blocks(*sizes, warps))), flush=True)
+            print(_row(dtype, KernelTiles.same(Blocks(*sizes, warps)), target), flush=True)
     return 0
 
 

@@ -77,16 +77,20 @@ class KernelTiles:
         return f"fwd {self.fwd}, hidden {self.hidden}, weight {self.weight}"
 
 
-#: On a GPU, per input dtype: tiles whose kernels compile for an H100 (``sm_90``, Triton
-#: 3.6 to 3.9) without spilling registers to local memory, read from the cubins' resource
-#: usage (tests/test_triton_compile.py checks it; ``python -m tools.sm90_tiles`` prints
-#: the search). Not yet timed on a GPU (issue 30): ``python -m benchmarks.tile_sweep``
-#: times other spill-free tiles per kernel beside these. float64 sums its products on the
-#: CUDA cores (no accumulating float64 ``tl.dot`` on sm_90 before Triton 3.9): small tiles.
+#: On a GPU, per input dtype: tiles whose kernels compile for an H100 (``sm_90``) and an
+#: A100 (``sm_80``), under Triton 3.6 to 3.9, without spilling registers to local memory,
+#: read from the cubins' resource usage (tests/test_triton_compile.py checks it; ``python
+#: -m tools.sm90_tiles`` prints the search). Not yet timed on a GPU (issue 30): ``python
+#: -m benchmarks.tile_sweep`` times other spill-free tiles per kernel beside these.
+#: float32 (CUDA-core products, ``"ieee"``): pass 2 at 64 x 64 x 32 spills 8 to 72 bytes
+#: on sm_80 under Triton 3.8 and 3.9, so its hidden gradient takes 16-wide slices of the
+#: hidden dimension and its weight gradient 32 vocabulary rows. float64 sums its products
+#: on the CUDA cores (no accumulating float64 ``tl.dot`` on sm_90 before Triton 3.9):
+#: small tiles.
 GPU_TILES: dict[torch.dtype, KernelTiles] = {
     torch.bfloat16: KernelTiles.same(Blocks(64, 64, 32, 8)),
     torch.float16: KernelTiles.same(Blocks(64, 64, 32, 8)),
-    torch.float32: KernelTiles.same(Blocks(64, 64, 32, 8)),
+    torch.float32: KernelTiles(Blocks(64, 64, 32, 8), Blocks(64, 64, 16, 8), Blocks(64, 32, 32, 8)),
     torch.float64: KernelTiles.same(Blocks(16, 32, 16, 8)),
 }
 #: Under the interpreter: the smallest legal tiles (it runs each program in numpy).
