@@ -1,12 +1,13 @@
-"""The Triton kernels compile for an H100 (``sm_90``; the linear ones for an A100,
-``sm_80``, too) on a machine without a GPU, and their tiles fit in registers.
+"""The Triton kernels compile for an H100 (``sm_90``) and an A100 (``sm_80``) on a
+machine without a GPU, and their tiles fit in registers.
 
 Triton's interpreter (tests/test_triton_linear.py, tests/test_triton_loss.py) runs the
 kernels' arithmetic in numpy; it does not apply the compiled language's rules: what
 ``tl.dot`` accepts for each dtype, layouts, scalar atomics. Here Triton's own toolchain
 (its bundled ``ptxas``) lowers every kernel, for each input dtype, to a cubin for
-``sm_90``, and the PTX is checked for what the design relies on: bfloat16 tiles on the
-tensor cores (``wgmma``) with ``input_precision="ieee"``; float64 without a ``tl.dot``
+``sm_90`` (and ``sm_80``), and the PTX is checked for what the design relies on: bfloat16
+and float16 tiles on the tensor cores (``wgmma``; ``mma.sync`` on ``sm_80``) with
+``input_precision="ieee"``, within the GPU's shared memory per program; float64 without a ``tl.dot``
 (Triton 3.6 to 3.8 cannot lower an accumulating float64 dot for ``sm_90``); the policy
 loss's forward with no atomics but the integer ticket and its reset, none on floats (its
 sums are reduced in a fixed order); and the cubins' resource usage shows no register
@@ -129,11 +130,13 @@ def _loss_cases() -> list[tuple[int, int, int, int]]:
     return [(obj, obj % 5, obj % 4, obj % 3) for obj in numbers]
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "fp64"])
-def test_policy_loss_kernels_compile_for_sm90(dtype: str) -> None:
+@pytest.mark.parametrize(("dtype", "arch"), [("fp32", 90), ("fp64", 90), ("fp32", 80)])
+def test_policy_loss_kernels_compile(dtype: str, arch: int) -> None:
     """Every objective's term (with a KL estimator, IS and KL weights, each mode and
     normaliser kind in turn) and the backward for each gradient dtype; the forward's only
-    atomics are the integer ticket and its reset."""
+    atomics are the integer ticket and its reset. For an A100 (``sm_80``) too: float32,
+    every third case."""
+    target = A100 if arch == 80 else sm90.H100
     ks = load_kernels("dapo_ops.engine._triton_loss_kernels", False)
     names = ("lp", "old", "adv", "ref", "rho", "kappa", "prm", "den", "u", "part", "loss", "scale")
     types = {f"{n}_ptr": f"*{dtype}" for n in names}
@@ -144,12 +147,16 @@ def test_policy_loss_kernels_compile_for_sm90(dtype: str) -> None:
         block, rows, warps = triton_loss._blocks(
             torch.float64 if dtype == "fp64" else torch.float32
         )
-    cases = _loss_cases() if dtype == "fp32" else _loss_cases()[::4]  # float64: three
+    cases = (
+        _loss_cases()
+        if (dtype, arch) == ("fp32", 90)
+        else _loss_cases()[:: 4 if dtype == "fp64" else 3]
+    )
     for obj, kl, mode, den in cases:
         flags = {"OBJ": obj, "KL": kl, "KL_ST": kl == 2, "KL_CAP": kl == 3, "HAS_RHO": True}
         flags |= {"HAS_KAPPA": kl > 0, "MODE": mode, "DEN": den, "WITH_GRAD": True}
         flags |= {"COMPUTE": compute, "BLOCK": block, "RB": rows}
-        compiled = compile_h100(ks.loss_forward, types, flags, warps)
+        compiled = compile_h100(ks.loss_forward, types, flags, warps, target)
         code = compiled.asm["ptx"]
         assert spilled_bytes(compiled) == 0, flags
         atomics = [line for line in code.splitlines() if "atom." in line]
@@ -158,7 +165,8 @@ def test_policy_loss_kernels_compile_for_sm90(dtype: str) -> None:
     for out in ("bf16", "fp16", dtype):
         back = {"u_ptr": f"*{dtype}", "scale_ptr": f"*{dtype}", "go_ptr": "*fp32"}
         compiled = compile_h100(ks.loss_backward, back | {"out_ptr": f"*{out}"},
-                                {"PER_ROW": 1, "COMPUTE": compute, "BLOCK": block}, warps)  # fmt: skip
+                                {"PER_ROW": 1, "COMPUTE": compute, "BLOCK": block}, warps,
+                                target)  # fmt: skip
         assert spilled_bytes(compiled) == 0, out
 
 
