@@ -241,6 +241,16 @@ def test_triton_low_precision_within_derived_bounds(dtype: torch.dtype) -> None:
         assert_within(x.cpu(), y, e, f"{dtype} d {name}")
 
 
+@CUDA
+def test_triton_bf16_roundings_to_nearest_even() -> None:
+    """The kernels' float32 -> bfloat16 casts (``G`` before its products, the weight
+    gradient's rows) round to nearest even on the GPU, bit for bit as torch does: the
+    rounding the interpreter tests emulate (tests/test_triton_linear.py)."""
+    from test_triton_linear import assert_bfloat16_tiles_round_to_nearest_even
+
+    assert_bfloat16_tiles_round_to_nearest_even(DEV)
+
+
 def _extra_peak(rows: int, n: int, dim: int, vocab: int, dtype: torch.dtype, **opts: Any) -> int:
     """Extra peak bytes (``max_memory_allocated``, inputs excluded) of one fwd+bwd of
     ``linear_policy_loss`` over ``n`` tokens in ``rows`` rows."""

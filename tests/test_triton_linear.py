@@ -208,15 +208,9 @@ def test_vocabulary_splits(monkeypatch: pytest.MonkeyPatch, sms: int) -> None:
         assert torch.allclose(x, y, rtol=1e-10, atol=1e-12)
 
 
-def test_bfloat16_gradient_tiles_round_to_nearest_even() -> None:
-    """``G`` is rounded to bfloat16 before the matmuls, and the weight gradient's float32
-    rows when written out, to nearest even, as a GPU's cast rounds (the interpreter's
-    own cast truncates: the kernels round the bits first). A case where ``G`` is exactly
-    ``+-a``: vocabulary 2, the sampled column's probability 0 in float32 (its bias
-    -200), so the other's is 1; ``h`` the identity and ``W`` ones in the sampled row, so
-    ``dW`` and ``dh`` are one rounded ``G`` entry each. The values ``a``: ties either
-    way (to even), just above and below a tie, a carry into the exponent, negative ones
-    and one below the smallest normal bfloat16."""
+def assert_bfloat16_tiles_round_to_nearest_even(device: str) -> None:
+    """The case of :func:`test_bfloat16_gradient_tiles_round_to_nearest_even` on
+    ``device`` (tests/test_cuda.py runs it compiled on a GPU)."""
     n = 16
     bits = [0x3F808000, 0x3F818000, 0x3F808001, 0x3F807FFF, 0x3F7FFFFF, 0x3F7F8000,
             0xBF808000, 0xBF818000, 0xBFFFFFFF, 0x40490FDB, 0xC0490FDB, 0x00C00000,
@@ -228,15 +222,28 @@ def test_bfloat16_gradient_tiles_round_to_nearest_even() -> None:
     bias = torch.tensor([0.0, -200.0], dtype=torch.bfloat16)
     tok = torch.ones(n, dtype=torch.int64)
     stats = (torch.zeros(n), torch.zeros(n), a, None)  # lse 0 and H 0: p = (1, 0)
-    dh, dw, db = triton_linear.backward_grads(
-        h, w, bias, tok, None, stats, (1.0, None), (True, True, True)
+    on = [x if x is None else x.to(device) for x in (h, w, bias, tok, *stats)]
+    got = triton_linear.backward_grads(
+        *on[:4], None, tuple(on[4:]), (1.0, None), (True, True, True)
     )  # type: ignore[arg-type]
+    dh, dw, db = (x.cpu() for x in got)  # type: ignore[union-attr]
     want = a.to(torch.bfloat16)
-    assert dh is not None and dw is not None and db is not None
     assert torch.equal(dw[1], want) and torch.equal(dw[0], -want)
     assert torch.equal(dh, want[:, None].expand(n, n))
     total = want.double().sum().to(torch.bfloat16)  # ~65550: any float32 order rounds to it
     assert torch.equal(db, torch.stack([-total, total]))
+
+
+def test_bfloat16_gradient_tiles_round_to_nearest_even() -> None:
+    """``G`` is rounded to bfloat16 before the matmuls, and the weight gradient's float32
+    rows when written out, to nearest even, as a GPU's cast rounds (the interpreter's
+    own cast truncates: the kernels round the bits first). A case where ``G`` is exactly
+    ``+-a``: vocabulary 2, the sampled column's probability 0 in float32 (its bias
+    -200), so the other's is 1; ``h`` the identity and ``W`` ones in the sampled row, so
+    ``dW`` and ``dh`` are one rounded ``G`` entry each. The values ``a``: ties either
+    way (to even), just above and below a tie, a carry into the exponent, negative ones
+    and one below the smallest normal bfloat16."""
+    assert_bfloat16_tiles_round_to_nearest_even("cpu")
 
 
 def _filter_case(dtype: torch.dtype) -> tuple[Any, ...]:
