@@ -7,9 +7,10 @@ kernels' arithmetic in numpy; it does not apply the compiled language's rules: w
 (its bundled ``ptxas``) lowers every kernel, for each input dtype, to a cubin for
 ``sm_90`` (and ``sm_80``), and the PTX is checked for what the design relies on: bfloat16
 and float16 tiles on the tensor cores (``wgmma``; ``mma.sync`` on ``sm_80``) with
-``input_precision="ieee"``, within the GPU's shared memory per program; float64 without a ``tl.dot``
-(Triton 3.6 to 3.8 cannot lower an accumulating float64 dot for ``sm_90``); the policy
-loss's forward with no atomics but the integer ticket and its reset, none on floats (its
+``input_precision="ieee"``, within the GPU's shared memory per program, their narrowing
+casts rounding to nearest even (``cvt.rn``, as the interpreter tests assume); float64
+without a ``tl.dot`` (Triton 3.6 to 3.8 cannot lower an accumulating float64 dot for
+``sm_90``); the policy loss's forward with no atomics but the integer ticket and its reset, none on floats (its
 sums are reduced in a fixed order); and the cubins' resource usage shows no register
 spilled to local memory at the tiles a GPU runs (``GPU_TILES``), with the opt-in
 gradient filter, and at the tile sweep's candidates. Compiled with the library's own
@@ -20,6 +21,7 @@ Triton has no CUDA backend; ``.ci/triton`` runs it under each supported Triton.
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import pytest
@@ -52,6 +54,14 @@ def compiled_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
+def assert_narrowing_rounds_to_nearest(name: str, code: str, half: str) -> None:
+    """Pass 2's float32 -> ``half`` casts (``G`` before its products, the weight gradient's
+    rows) round to nearest even (``cvt.rn``), the rounding the interpreter tests emulate."""
+    casts = re.findall(rf"cvt[.\w]*\.{half}(?:x2)?\.f32\b", code)
+    if name.startswith("bwd"):
+        assert casts and all(c.startswith("cvt.rn.") for c in casts), (name, sorted(set(casts)))
+
+
 def spilled_bytes(compiled: Any) -> int:
     """Bytes per thread spilled to local memory (the cubin's stack frame)."""
     return int(usage(compiled)["STACK"])
@@ -73,6 +83,7 @@ def test_linear_kernels_compile_for_sm90(dtype: str) -> None:
         if dtype in ("bf16", "fp16"):  # tensor cores, products accumulated in float32
             half = dtype.replace("fp", "f")
             assert "wgmma.mma_async.sync.aligned" in code and f".f32.{half}.{half}" in code, name
+            assert_narrowing_rounds_to_nearest(name, code, half)
         else:  # float32 "ieee" and float64: on the CUDA cores
             assert "mma" not in code and "fma.rn.f" in code, name
 
@@ -97,6 +108,7 @@ def test_linear_kernels_compile_for_sm80(dtype: torch.dtype) -> None:
         if half and name != "fwd_combine":
             assert "wgmma" not in code and "mma.sync.aligned" in code, name
             assert f".f32.{half}.{half}.f32" in code, name
+            assert_narrowing_rounds_to_nearest(name, code, half)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
