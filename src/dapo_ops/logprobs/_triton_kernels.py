@@ -52,8 +52,8 @@ def _max(x, axis: tl.constexpr):
 @triton.jit
 def _narrow(x, dtype: tl.constexpr):
     """``x`` in ``dtype``, rounded to nearest even as a GPU's cast rounds. The interpreter
-    (Triton 3.6 to 3.9) truncates a float32 -> bfloat16 cast (its explicit "rtne" mode
-    drops the carry into the exponent), so there the bits are rounded first (finite
+    (Triton 3.6 to 3.9) truncates a float32 -> bfloat16 cast, with
+    ``fp_downcast_rounding="rtne"`` too, so there the bits are rounded first (finite
     ``x``: bias ``0x7FFF`` plus the kept last bit, then cut) and the cast is exact."""
     if INTERPRETED and dtype == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
