@@ -120,23 +120,6 @@ class Objective:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
-@dataclasses.dataclass(frozen=True)
-class WeightedLogProb(Objective):
-    r"""An objective of the form ``-sg[w] A log pi``: a detached per-token weight ``w``
-    (:meth:`weight`) times the REINFORCE term. Its value holds ``log pi`` (not an
-    objective estimate); its gradient is ``-w A`` for every token. CISPO and TOPR."""
-
-    def weight(self, x: TokenInputs) -> Tensor:
-        """The detached per-token weight ``w``."""
-        raise NotImplementedError(f"{type(self).__name__} must define weight()")
-
-    def term(self, x: TokenInputs) -> Tensor:
-        return -self.weight(x) * x.adv * x.logp
-
-    def grad(self, x: TokenInputs, weight: Tensor) -> Tensor:
-        return weight * (-self.weight(x) * x.adv)
-
-
 def per_sequence_advantages(objective: Objective) -> bool:
     """Whether ``objective`` takes only ``[batch]`` / ``[batch, 1]`` advantages."""
     return objective.level == "sequence" and not objective.token_advantages

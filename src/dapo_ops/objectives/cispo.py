@@ -8,17 +8,11 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from dapo_ops.objectives.base import (
-    Clipped,
-    TokenInputs,
-    WeightedLogProb,
-    check_field,
-    check_number,
-)
+from dapo_ops.objectives.base import Clipped, Objective, TokenInputs, check_field, check_number
 
 
 @dataclasses.dataclass(frozen=True)
-class CISPO(WeightedLogProb):
+class CISPO(Objective):
     r"""CISPO: a detached, clipped importance weight times the log-prob.
 
     .. math::
@@ -53,6 +47,12 @@ class CISPO(WeightedLogProb):
     def weight(self, x: TokenInputs) -> Tensor:
         """The detached importance weight ``clip(r, 1 - eps_low, 1 + eps_high)``."""
         return x.ratio.clamp(1.0 - self.eps_low, 1.0 + self.eps_high).detach()
+
+    def term(self, x: TokenInputs) -> Tensor:
+        return -self.weight(x) * x.adv * x.logp
+
+    def grad(self, x: TokenInputs, weight: Tensor) -> Tensor:
+        return weight * (-self.weight(x) * x.adv)
 
     def clipped(self, x: TokenInputs) -> Clipped:
         low = x.ratio < 1.0 - self.eps_low

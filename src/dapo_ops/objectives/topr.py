@@ -9,17 +9,11 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from dapo_ops.objectives.base import (
-    Clipped,
-    TokenInputs,
-    WeightedLogProb,
-    check_field,
-    check_number,
-)
+from dapo_ops.objectives.base import Clipped, Objective, TokenInputs, check_field, check_number
 
 
 @dataclasses.dataclass(frozen=True)
-class TOPR(WeightedLogProb):
+class TOPR(Objective):
     r"""TOPR: plain REINFORCE on positive samples, truncated-IS REINFORCE on negative ones.
 
     .. math::
@@ -68,6 +62,12 @@ class TOPR(WeightedLogProb):
         """The detached weight: ``pos_coef`` where ``A > 0``, else ``neg_coef * min(r, 1)``."""
         taper = x.ratio.clamp(max=1.0).detach() * self.neg_coef
         return torch.where(x.adv > 0, torch.full_like(taper, self.pos_coef), taper)
+
+    def term(self, x: TokenInputs) -> Tensor:
+        return -self.weight(x) * x.adv * x.logp
+
+    def grad(self, x: TokenInputs, weight: Tensor) -> Tensor:
+        return weight * (-self.weight(x) * x.adv)
 
     def clipped(self, x: TokenInputs) -> Clipped:
         """Tokens of negative samples whose ratio is truncated at 1 (reported as ``high``)."""
