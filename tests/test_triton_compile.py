@@ -10,12 +10,13 @@ and float16 tiles on the tensor cores (``wgmma``; ``mma.sync`` on ``sm_80``) wit
 ``input_precision="ieee"``, within the GPU's shared memory per program, their narrowing
 casts rounding to nearest even (``cvt.rn``, as the interpreter tests assume); float64
 without a ``tl.dot`` (Triton 3.6 to 3.8 cannot lower an accumulating float64 dot for
-``sm_90``); the policy loss's forward with no atomics but the integer ticket and its reset, none on floats (its
-sums are reduced in a fixed order); and the cubins' resource usage shows no register
-spilled to local memory at the tiles a GPU runs (``GPU_TILES``), with the opt-in
-gradient filter, and at the tile sweep's candidates. Compiled with the library's own
-launch options (no warning from Triton 3.9 about FP fusion left unset). Skipped where
-Triton has no CUDA backend; ``.ci/triton`` runs it under each supported Triton.
+``sm_90``); the policy loss's forward with no atomics but the integer ticket and its
+reset, none on floats (its sums are reduced in a fixed order); and the cubins' resource
+usage shows no register spilled to local memory at the tiles a GPU runs (``GPU_TILES``),
+with the opt-in gradient filter, and at the tile sweep's candidates. Compiled with the
+library's own launch options (no warning from Triton 3.9 about FP fusion left unset).
+Skipped where Triton has no CUDA backend; ``.ci/triton`` runs it under each supported
+Triton.
 """
 
 from __future__ import annotations
