@@ -1,6 +1,7 @@
 """The house (issue 26): one folder per stage of the pipeline, no import circles.
 
-- ``src/dapo_ops`` holds at most 12 entries besides ``__init__.py`` and ``py.typed``;
+- ``src/dapo_ops`` holds at most 13 entries besides ``__init__.py`` and ``py.typed`` (issue
+  26's twelve stages, and issue 37's ``kernels/``: what runs on the device in one folder);
 - no import circle among the modules of ``src/dapo_ops`` or of ``benchmarks/`` (imports
   read with ``ast``, function-level and ``TYPE_CHECKING`` ones included);
 - a stage imports only itself and the stages below it (:data:`STAGES`, lowest first);
@@ -32,6 +33,7 @@ STAGES = [
     "diagnostics",  # what an objective did to the tokens; per-batch sums
     "engine",  # policy_loss, fused/compiled paths, KL, entropy, aggregation, normaliser
     "correction",  # IS weights, rejection and off-policy masks, Clip-Cov / KL-Cov
+    "kernels",  # what runs on the device: the lm-head path's row kernels and their dispatch
     "logprobs",  # log-probs, the fused output projection, linear_policy_loss
     "presets",  # recipes as values
     "dapo_ops",  # the top-level face
@@ -39,7 +41,7 @@ STAGES = [
     "integrations",  # TRL, verl, OpenRLHF
     "demo",  # the end-to-end demo
 ]
-MAX_ENTRIES = 12
+MAX_ENTRIES = 13
 MAX_LINES = 350
 
 

@@ -47,8 +47,11 @@ from dapo_ops.logprobs._logprob_checks import (
     check_tokens,
 )
 from dapo_ops.logprobs._softcap import check_softcap
-from dapo_ops.logprobs._triton_dispatch import Backend, triton_policy_loss, use_triton
+from dapo_ops.logprobs._backends import Backend, resolve
+from dapo_ops.logprobs._two_pass import two_pass_spec
+from dapo_ops.logprobs._two_pass_loss import TwoPassPolicyLoss
 from dapo_ops.logprobs._truncation import truncation
+from dapo_ops.kernels.rows import RowMath
 from dapo_ops.objectives import ClipHigher, Objective
 
 __all__ = [
@@ -70,6 +73,7 @@ class LinearOptions(LossOptions, total=False):
     entropy_coef: float | Tensor
     chunk_size: int | None
     backend: Backend
+    keep_logits: bool | None
     top_k: int | None
     top_p: float | None
     min_p: float | None
@@ -149,8 +153,12 @@ def _prepare(
 def _run(
     spec: LinearSpec, h: Tensor, w: Tensor, b: Tensor | None, t: LinearInputs, o: LinearOptions
 ) -> tuple[Tensor, Tensor, Tensor]:
-    if use_triton(o.get("backend", "auto"), h.device, o.get("chunk_size"), spec.trunc is not None):
-        return triton_policy_loss(spec, h, w, b, t)
+    keep = o.get("keep_logits")
+    path = resolve(o.get("backend", "auto"), h.device, o.get("chunk_size"), keep)
+    if path != "chunked":
+        rows = RowMath(spec.temperature, spec.softcap)
+        tp = two_pass_spec(path, rows, spec.trunc, keep, h, w.shape[0])
+        return TwoPassPolicyLoss.apply(h, w, b, spec, t, tp)  # type: ignore[no-any-return,no-untyped-call]
     need = tuple(torch.is_grad_enabled() and x is not None and x.requires_grad for x in (h, w, b))
     if any(need):
         return LinearPolicyLoss.apply(h, w, b, spec, t)  # type: ignore[no-any-return,no-untyped-call]
@@ -179,6 +187,7 @@ def linear_policy_loss(
     entropy_coef: float | Float[Tensor, ""] = 0.0,
     chunk_size: int | None = None,
     backend: Backend = "auto",
+    keep_logits: bool | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
     min_p: float | None = None,
@@ -280,7 +289,7 @@ def linear_policy_loss(
         "objective": objective, "bias": bias, "temperature": temperature, "mode": mode,
         "normalizer": normalizer, "max_len": max_len, "ref_logp": ref_logp, "kl": kl,
         "is_weights": is_weights, "entropy_coef": entropy_coef, "chunk_size": chunk_size,
-        "backend": backend,
+        "backend": backend, "keep_logits": keep_logits,
         "top_k": top_k, "top_p": top_p, "min_p": min_p, "softcap": softcap,
     }  # fmt: skip
     spec, h, w, b, t = _prepare(hidden, weight, tokens, old_logp, advantages, mask, options, False)

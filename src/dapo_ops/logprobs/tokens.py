@@ -41,7 +41,10 @@ from dapo_ops.logprobs._logprob_checks import (
     check_tokens,
 )
 from dapo_ops.logprobs._softcap import check_softcap
-from dapo_ops.logprobs._triton_dispatch import Backend, triton_logprobs_entropy, use_triton
+from dapo_ops.kernels.rows import RowMath
+from dapo_ops.logprobs._backends import Backend, resolve
+from dapo_ops.logprobs._two_pass import two_pass_spec
+from dapo_ops.logprobs._two_pass_loss import TwoPassLogpEntropy
 from dapo_ops.logprobs._truncation import truncation
 
 __all__ = [
@@ -229,6 +232,7 @@ def fused_logprobs_entropy(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     backend: Backend = "auto",
+    keep_logits: bool | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
     min_p: float | None = None,
@@ -301,8 +305,11 @@ def fused_logprobs_entropy(
     if tokens.device != hidden.device:
         raise InputError(f"tokens is on {tokens.device} but hidden is on {hidden.device}")
     flat, ids = hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1).to(torch.int64)
-    if use_triton(backend, hidden.device, chunk_size, trunc is not None):
-        logp, entropy = triton_logprobs_entropy(flat, weight, bias, ids, float(temperature), cap)
+    path = resolve(backend, hidden.device, chunk_size, keep_logits)
+    if path != "chunked":
+        rm = RowMath(float(temperature), cap)
+        tp = two_pass_spec(path, rm, trunc, keep_logits, flat, vocab)
+        logp, entropy = TwoPassLogpEntropy.apply(flat, weight, bias, ids, tp)  # type: ignore[no-untyped-call]
         return LogpEntropy(logp.view(rows_shape), entropy.view(rows_shape))
     chunk = auto_chunk(chunk_size, vocab, hidden.device, DEFAULT_FUSED_CHUNK_ELEMENTS)
     logp, entropy = FusedLinearLogpEntropy.apply(  # type: ignore[no-untyped-call]

@@ -1,0 +1,164 @@
+r"""The two-pass design under autograd: the policy loss and the fused log-probs.
+
+Private. Pass 1 (:func:`dapo_ops.logprobs._two_pass.pass1`) runs in forward; between the
+passes the engine works on ``[batch, seq]`` vectors, as :func:`dapo_ops.policy_loss`
+does: the objective's ``grad`` (or autograd of its ``term``) with KL, IS weights,
+aggregation and the normaliser gives ``a = d loss / d logp``, the entropy bonus ``b =
+d loss / d H``; every objective works, sequence-level ones included, since every
+log-prob exists after pass 1. Backward runs pass 2 with ``a`` and ``b`` scaled by the
+incoming gradient. With kept logits pass 2 writes ``G`` over them: a second backward
+through a retained graph finds them used and forms them again. ``create_graph=True``
+differentiates the definition (the naive composition).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dapo_ops._core._rules import compute_dtype, masked
+from dapo_ops.engine.aggregation import loss_scale
+from dapo_ops.logprobs._linear_loss import (
+    LinearInputs,
+    LinearSpec,
+    _objective_terms,
+    reference_loss,
+)
+from dapo_ops.logprobs._two_pass import Pass1, TwoPassSpec, logits_into, pass1, pass2
+
+
+def _engine(
+    spec: LinearSpec, logp: Tensor, ent: Tensor, t: LinearInputs, with_grad: bool
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """The loss (0-dim), ``a`` and ``b`` (``[batch, seq]``, or None) from pass 1's vectors."""
+    dtype = compute_dtype(logp, t.old_logp, t.adv)
+    den = "local" if t.normalizer is None else t.normalizer
+    scale = loss_scale(t.valid, mode=spec.loss.mode, normalizer=den, max_len=spec.loss.max_len, dtype=dtype)  # type: ignore[arg-type]  # fmt: skip
+    loss, a = _objective_terms(spec.loss, logp.to(dtype), t, scale, with_grad)
+    b = None
+    if isinstance(t.coef, Tensor) or t.coef != 0.0:
+        coef = torch.as_tensor(t.coef, dtype=dtype, device=logp.device)
+        w = masked(t.valid, (-coef * scale).expand(t.valid.shape))
+        loss = loss + (w * masked(t.valid, ent.to(dtype))).sum()
+        b = w
+    return loss, a, b
+
+
+def _rows(hidden: Tensor, valid: Tensor | None) -> Tensor:
+    """``hidden`` as contiguous ``[N, d]`` rows, the masked ones zero (they reach nothing)."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    if valid is None:
+        return flat.contiguous()
+    return torch.where(valid.reshape(-1, 1), flat, 0.0)
+
+
+def _pass2(
+    ctx: Any, h: Tensor, w: Tensor, b: Tensor | None, a: Tensor, bvec: Tensor | None,
+    need: tuple[bool, bool, bool],
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:  # fmt: skip
+    """Pass 2 of a saved pass 1. The kept logits are used once (pass 2 writes ``G`` over
+    them): a second backward through a retained graph forms them whole again (one more
+    product), so it runs the same arithmetic and gives the same bits."""
+    p1: Pass1 = ctx.p1
+    if ctx.tp.keep and p1.logits is None:
+        p1 = p1._replace(logits=logits_into(h.new_empty(h.shape[0], w.shape[0]), h, w, b))
+    ctx.p1 = p1._replace(logits=None)
+    return pass2(ctx.tp, h, w, b, ctx.tok, p1, a, bvec, need)
+
+
+class TwoPassPolicyLoss(torch.autograd.Function):
+    """``(loss, logp, entropy)``: pass 1 and the engine in forward, pass 2 in backward."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, spec: LinearSpec,
+        t: LinearInputs, tp: TwoPassSpec,
+    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        shape = t.valid.shape
+        h = _rows(hidden, t.valid)
+        tok = t.tokens.reshape(-1)
+        p1 = pass1(tp, h, weight, bias, tok)
+        with_grad = any(ctx.needs_input_grad[:3])
+        loss, a, g_ent = _engine(spec, p1.logp.view(shape), p1.ent.view(shape), t, with_grad)
+        ctx.spec, ctx.inputs, ctx.tp, ctx.p1, ctx.tok = spec, t, tp, p1, tok
+        a = p1.logp.new_zeros(shape) if a is None else a
+        saved = (a,) if g_ent is None else (a, g_ent)
+        ctx.save_for_backward(hidden, weight, bias, h, *saved)
+        logp = p1.logp.view(shape)
+        entropy = p1.ent.view(shape) if spec.entropy else logp.new_zeros(0)
+        ctx.mark_non_differentiable(logp, entropy)
+        return loss, logp, entropy
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor, *_: Any) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        hidden, weight, bias, h, a, *rest = ctx.saved_tensors
+        need = tuple(bool(n) for n in ctx.needs_input_grad[:3])
+        if torch.is_grad_enabled():  # create_graph=True: differentiate the definition
+            wanted = [x for x, n in zip((hidden, weight, bias), need, strict=True) if n]
+            with torch.enable_grad():
+                loss = reference_loss(ctx.spec, hidden, weight, bias, ctx.inputs)
+                got = iter(torch.autograd.grad(loss, wanted, grad_out, create_graph=True))
+            return (*(next(got) if n else None for n in need), None, None, None)
+        g = grad_out.to(a.dtype)
+        bvec = (rest[0] * g).reshape(-1) if rest else None
+        gh, gw, gb = _pass2(ctx, h, weight, bias, (a * g).reshape(-1), bvec, need)
+        return (None if gh is None else gh.view(hidden.shape), gw, gb, None, None, None)
+
+
+def reference_logp_entropy(
+    h: Tensor, w: Tensor, b: Tensor | None, tok: Tensor, tp: TwoPassSpec, tau: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """``(log p_y, H)`` of the whole logits with differentiable ops (the same kept sets)."""
+    z = h @ w.T if b is None else torch.addmm(b, h, w.T)
+    cdt = torch.float64 if h.dtype == torch.float64 else torch.float32
+    raw = z.to(cdt)
+    x = raw if tp.rows.softcap is None else tp.rows.softcap * torch.tanh(raw / tp.rows.softcap)
+    x = x / tp.rows.temperature
+    if tau is not None:
+        cols = torch.arange(x.shape[1], device=x.device)
+        keep = (raw.detach() >= tau.unsqueeze(1)) | (cols == tok.unsqueeze(1))
+        x = torch.where(keep, x, -torch.inf)
+    lp = torch.log_softmax(x, dim=1)
+    p = lp.exp()
+    ent = -torch.where(p > 0, p * lp, 0.0).sum(dim=1)
+    return lp.gather(1, tok.unsqueeze(1)).squeeze(1), ent
+
+
+class TwoPassLogpEntropy(torch.autograd.Function):
+    """``(logp, entropy)`` of ``hidden [N, d]``: pass 1 forward, pass 2 backward."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, tokens: Tensor,
+        tp: TwoPassSpec,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        h = hidden.contiguous()
+        p1 = pass1(tp, h, weight, bias, tokens)
+        ctx.tp, ctx.p1, ctx.tok = tp, p1, tokens
+        ctx.save_for_backward(hidden, weight, bias, h)
+        ctx.set_materialize_grads(False)
+        return p1.logp, p1.ent
+
+    @staticmethod
+    def backward(ctx: Any, grad_logp: Tensor | None, grad_ent: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]  # fmt: skip
+        hidden, weight, bias, h = ctx.saved_tensors
+        need = tuple(bool(n) for n in ctx.needs_input_grad[:3])
+        if not any(need) or (grad_logp is None and grad_ent is None):
+            return (None,) * 5
+        p1: Pass1 = ctx.p1
+        if torch.is_grad_enabled():  # create_graph=True: differentiate the definition
+            wanted = [x for x, n in zip((hidden, weight, bias), need, strict=True) if n]
+            with torch.enable_grad():
+                logp, ent = reference_logp_entropy(hidden, weight, bias, ctx.tok, ctx.tp, p1.tau)
+                total = sum(
+                    (g * v).sum() for g, v in ((grad_logp, logp), (grad_ent, ent)) if g is not None
+                )
+                got = iter(torch.autograd.grad(total, wanted, create_graph=True))
+            return (*(next(got) if n else None for n in need), None, None)
+        cdt = p1.lse.dtype
+        a = p1.lse.new_zeros(p1.lse.shape) if grad_logp is None else grad_logp.to(cdt)
+        bvec = None if grad_ent is None else grad_ent.to(cdt)
+        gh, gw, gb = _pass2(ctx, h, weight, bias, a, bvec, need)
+        return (None if gh is None else gh.view(hidden.shape), gw, gb, None, None)

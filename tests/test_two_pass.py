@@ -1,0 +1,210 @@
+"""The two-pass lm-head path (``backend="two_pass"`` and ``"triton"``, both memory settings).
+
+The same promises as the chunked path's tests (tests/test_linear_loss.py, whose
+problems, references and derived bounds these reuse): float64 equal to the naive
+composition within ``F64_RTOL``; float32 and bfloat16 within the bounds of
+``tests/_bounds.py``; masked garbage changes no bit; micro-batches add up; ``gradcheck``
+and double backward. Each runs the ATen row functions (``"two_pass"``) and the Triton
+row kernels under Triton's interpreter (``"triton"``, marked ``triton``: ``.ci/triton``
+runs them under every supported Triton), with the logits kept (``keep_logits=True``,
+3 products) and formed again (``False``, 4 products), at a block budget small enough
+that pass 1 walks several token blocks and pass 2 several vocabulary slices whose
+widths are off every kernel block size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from _bounds import assert_within
+from test_linear_loss import (
+    CASES,
+    assert_f64,
+    assert_micro_batches_add_up,
+    case_inputs,
+    float32_bounds,
+    grads,
+    naive_loss,
+    problem,
+)
+from torch import Tensor
+
+import dapo_ops as d
+from dapo_ops.logprobs import _two_pass
+
+F64 = torch.float64
+KEEP = [pytest.param(True, id="keep"), pytest.param(False, id="recompute")]
+
+
+@pytest.fixture(params=["two_pass", pytest.param("triton", marks=pytest.mark.triton)])
+def backend(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each two-pass backend; ``"triton"`` under the interpreter."""
+    if request.param == "triton":
+        pytest.importorskip("triton")
+        request.getfixturevalue("triton_interpreter")
+    yield str(request.param)
+
+
+@pytest.fixture(autouse=True)
+def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A budget of 60 elements: token blocks of 60 // vocab rows, vocabulary slices of
+    60 // tokens ids (13-id vocabulary, 24 tokens: 4-row blocks, 2-id slices)."""
+    monkeypatch.setitem(_two_pass.BUDGET_ELEMENTS, "cpu", 60)
+
+
+def two_pass(objective: d.Objective, p: dict[str, Tensor], opts: dict[str, Any]) -> Any:
+    def fn(h: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+        return d.linear_policy_loss(
+            h, w, p["tokens"], p["old"], p["adv"], p["mask"], objective=objective, bias=b, **opts
+        )
+
+    return fn
+
+
+def without_chunks(opts: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in opts.items() if k != "chunk_size"}
+
+
+@pytest.mark.parametrize("keep", KEEP)
+@pytest.mark.parametrize(("objective", "opts"), CASES)
+def test_float64_equals_naive(
+    backend: str, keep: bool, objective: d.Objective, opts: dict[str, Any]
+) -> None:
+    p, opts = case_inputs(without_chunks(opts))
+    got = grads(two_pass(objective, p, opts | {"backend": backend, "keep_logits": keep}), p)
+    assert_f64(got, grads(naive_loss(objective, p, opts), p), f"{backend} keep={keep}")
+
+
+@pytest.mark.parametrize("keep", KEEP)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_low_precision_within_derived_bounds(
+    backend: str, keep: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """float32 / bfloat16 inputs: the loss (float32) and the gradients (input dtype)
+    within the bounds of the exact values of the same rounded inputs (vocabulary 301, 36
+    tokens, a budget of 1800: 5-row token blocks, 50-id slices and a last one of 1)."""
+    monkeypatch.setitem(_two_pass.BUDGET_ELEMENTS, "cpu", 1800)
+    p = problem(4, 9, 16, 301, seed=3, dtype=dtype)
+    opts = {"entropy_coef": 0.05, "backend": backend, "keep_logits": keep}
+    objective = d.ClipHigher()
+    loss, grad = grads(two_pass(objective, p, opts), p)
+    assert loss.dtype == torch.float32 and all(g.dtype == dtype for g in grad)
+    want_loss, loss_err, want, errs = float32_bounds(objective, p, 0.05, dtype)
+    assert_within(loss, want_loss, loss_err, "loss")
+    for name, x, y, e in zip(("hidden", "weight", "bias"), grad, want, errs, strict=True):
+        assert_within(x, y, e, f"{backend} {dtype} d {name}")
+
+
+@pytest.mark.parametrize("keep", KEEP)
+def test_masked_positions_change_nothing(backend: str, keep: bool) -> None:
+    """NaN / inf hidden rows and -100 ids at masked positions: bit for bit the same."""
+    p = problem(dtype=torch.float32)
+    mask = p["mask"]
+    opts = {"entropy_coef": 0.05, "backend": backend, "keep_logits": keep}
+    base = grads(two_pass(d.ClipHigher(), p, opts), p)
+    for value in (math.nan, math.inf):
+        dirty = dict(p)
+        dirty["hidden"] = torch.where(mask[..., None], p["hidden"], value)
+        dirty["tokens"] = torch.where(mask, p["tokens"], -100)
+        loss, got = grads(two_pass(d.ClipHigher(), dirty, opts), dirty)
+        assert torch.equal(loss, base[0]), value
+        for x, y in zip(got, base[1], strict=True):
+            assert torch.equal(x, y), value
+
+
+@pytest.mark.parametrize("keep", KEEP)
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean"])
+def test_micro_batches_add_up(backend: str, keep: bool, mode: str) -> None:
+    opts = {"mode": mode, "entropy_coef": 0.02, "backend": backend, "keep_logits": keep}
+    parts = [slice(0, 1), slice(1, 3), slice(3, 4)]
+    assert_micro_batches_add_up(d.GSPO(), problem(), opts, parts, f"{backend} {mode}")
+
+
+@pytest.mark.parametrize("keep", KEEP)
+def test_gradcheck_and_double_backward(keep: bool) -> None:
+    p = problem(3, 4, 3, 7, seed=1)
+    opts = {"temperature": 0.8, "entropy_coef": 0.1, "softcap": 2.0, "top_k": 5}
+    fn = two_pass(d.ClipHigher(), p, opts | {"backend": "two_pass", "keep_logits": keep})
+    args = tuple(p[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias"))
+    assert torch.autograd.gradcheck(fn, args, fast_mode=True)
+    assert torch.autograd.gradgradcheck(fn, args, fast_mode=True)
+
+
+def test_a_retained_graph_gives_the_same_gradients_twice(backend: str) -> None:
+    """The kept logits hold ``G`` after a first backward: a second one forms them again."""
+    p = problem(dtype=torch.float32)
+    fn = two_pass(d.ClipHigher(), p, {"backend": backend, "keep_logits": True})
+    leaves = [p[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")]
+    loss = fn(*leaves)
+    first = torch.autograd.grad(loss, leaves, retain_graph=True)
+    second = torch.autograd.grad(2 * loss, leaves)
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(2 * a, b)
+
+
+@pytest.mark.parametrize("keep", KEEP)
+def test_fused_logprobs_entropy(backend: str, keep: bool) -> None:
+    """Log-probs, entropies and their gradients (through both outputs) equal the chunked
+    path's in float64, with a truncation, a cap and a temperature."""
+    p = problem(3, 5, 4, 13, seed=6)
+    h, w = p["hidden"].reshape(15, 4), p["weight"]
+    tok = p["tokens"].reshape(15)
+    opts = {"bias": p["bias"], "temperature": 0.7, "softcap": 3.0, "top_p": 0.8}
+
+    def run(**kw: Any) -> tuple[Tensor, ...]:
+        hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        out = d.fused_logprobs_entropy(hh, ww, tok, **opts, **kw)
+        (out.logp.sin().sum() + out.entropy.square().sum()).backward()
+        assert hh.grad is not None and ww.grad is not None
+        return out.logp.detach(), out.entropy.detach(), hh.grad, ww.grad
+
+    got = run(backend=backend, keep_logits=keep)
+    want = run(backend="chunked")
+    for x, y in zip(got, want, strict=True):
+        assert_within(x, y, 1e-12 * (y.abs() + y.abs().max()), f"{backend} keep={keep}")
+
+
+@pytest.mark.usefixtures("no_runtime_typecheck")  # the library's own checks, as users get them
+def test_options_refused_by_name() -> None:
+    p = problem(dtype=torch.float32)
+    args = (p["hidden"], p["weight"], p["tokens"], p["old"], p["adv"], p["mask"])
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"backend": "chunked", "keep_logits": True}, "keep_logits"),
+        ({"chunk_size": 4, "keep_logits": False}, "keep_logits"),
+        ({"backend": "two_pass", "chunk_size": 4}, "chunk_size"),
+        ({"keep_logits": 1}, "keep_logits"),
+        ({"backend": "tiles"}, "backend"),
+    ]
+    for kw, name in cases:
+        with pytest.raises(d.InputError, match=name):
+            d.linear_policy_loss(*args, **kw)
+    if not _interpreting():
+        with pytest.raises(d.InputError, match="backend='triton' needs CUDA"):
+            d.linear_policy_loss(*args, backend="triton")
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def test_auto_picks_by_device_and_options() -> None:
+    """On CPU ``"auto"`` is the chunked path (bit for bit), and a two-pass one as soon as
+    ``keep_logits`` is given."""
+    p = problem(dtype=torch.float32)
+    args = (p["hidden"], p["weight"], p["tokens"], p["old"], p["adv"], p["mask"])
+    auto = d.linear_policy_loss(*args)
+    assert torch.equal(auto, d.linear_policy_loss(*args, backend="chunked"))
+    kept = d.linear_policy_loss(*args, keep_logits=True)
+    assert torch.equal(kept, d.linear_policy_loss(*args, backend="two_pass", keep_logits=True))
+
+
+def test_keep_by_size() -> None:
+    assert _two_pass.keep_by_size(None, 8192, 151936, torch.bfloat16)  # 2.3 GiB: kept
+    assert not _two_pass.keep_by_size(None, 32768, 151936, torch.bfloat16)  # 9.3 GiB
+    assert not _two_pass.keep_by_size(False, 1, 1, torch.float32)
