@@ -17,9 +17,24 @@ import torch.nn.functional as F
 
 import dapo_ops as d
 from dapo_ops._core._validate import InputError
+from dapo_ops.logprobs import _two_pass
 
 B, S, D, V = 3, 5, 6, 17
 TOL = {"rtol": 1e-11, "atol": 1e-12}
+#: The chunked path (one chunk, chunks of 4 tokens) and the two-pass design with the
+#: logits kept and formed again (``backend="two_pass"``, blocks of 60 elements).
+PATHS = [
+    {"chunk_size": None},
+    {"chunk_size": 4},
+    {"backend": "two_pass", "keep_logits": True},
+    {"backend": "two_pass", "keep_logits": False},
+]
+PATH_IDS = ["chunked", "chunks-of-4", "two-pass-keep", "two-pass-recompute"]
+
+
+def small_two_pass_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two-pass blocks of 60 logits: 3-row blocks in pass 1, 4-id slices in pass 2."""
+    monkeypatch.setitem(_two_pass.BUDGET_ELEMENTS, "cpu", 60)
 
 
 def problem(seed: int, dtype: torch.dtype = torch.float64, k: int = 4) -> dict[str, Any]:
@@ -131,11 +146,14 @@ CASES = [
 
 
 @pytest.mark.parametrize("opts", CASES, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
-@pytest.mark.parametrize("chunk", [None, 4])
-def test_equals_the_naive_composition(opts: dict[str, Any], chunk: int | None) -> None:
+@pytest.mark.parametrize("path", PATHS, ids=PATH_IDS)
+def test_equals_the_naive_composition(
+    opts: dict[str, Any], path: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    small_two_pass_blocks(monkeypatch)
     p = problem(1)
     want = values_and_grads(naive, p, opts)
-    got = values_and_grads(fused, p, {**opts, "chunk_size": chunk})
+    got = values_and_grads(fused, p, {**opts, **path})
     _close(got, want)
     assert float(want[0]) != 0.0
 

@@ -16,7 +16,17 @@ from typing import Any
 
 import pytest
 import torch
-from test_linear_distill import TOL, B, S, V, dirtied, problem
+from test_linear_distill import (
+    PATH_IDS,
+    PATHS,
+    TOL,
+    B,
+    S,
+    V,
+    dirtied,
+    problem,
+    small_two_pass_blocks,
+)
 
 import dapo_ops as d
 from dapo_ops._core._validate import InputError
@@ -116,11 +126,14 @@ CASES = [
 
 
 @pytest.mark.parametrize("opts", CASES, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
-@pytest.mark.parametrize("chunk", [None, 4])
-def test_equals_the_naive_composition(opts: dict[str, Any], chunk: int | None) -> None:
+@pytest.mark.parametrize("path", PATHS, ids=PATH_IDS)
+def test_equals_the_naive_composition(
+    opts: dict[str, Any], path: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    small_two_pass_blocks(monkeypatch)
     p = padded(21)
     want = _grads(lambda q: d.token_level_aggregate(naive_per_token(q, opts), q["mask"]), p)
-    got = _grads(lambda q: _call(q, opts, chunk_size=chunk), p)
+    got = _grads(lambda q: _call(q, opts, **path), p)
     for x, y in zip(got, want, strict=True):
         if y is None:
             assert x is None or not x.abs().max()

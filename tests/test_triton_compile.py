@@ -52,7 +52,9 @@ def compiled_mode(monkeypatch: pytest.MonkeyPatch) -> None:
 def compile_for(kernel: Any, types: dict[str, str], constants: dict[str, Any], warps: int,
                 target: GPUTarget) -> Any:  # fmt: skip
     """``kernel`` compiled for ``target``: pointers typed by name, ``i32`` otherwise."""
-    signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in kernel.arg_names}
+    signature = {
+        n: "constexpr" if n in constants else types.get(n, "i32") for n in kernel.arg_names
+    }
     src = ASTSource(fn=kernel, signature=signature, constexprs=constants)
     return triton.compile(src, target=target, options=launch_options(warps))
 
@@ -103,5 +105,7 @@ def test_row_kernels_compile(dtype: str, target: GPUTarget) -> None:
             casts = re.findall(rf"cvt[.\w]*\.{half}(?:x2)?\.f32\b", code)
             assert casts and all(c.startswith("cvt.rn.") for c in casts), (name, set(casts))
         if dtype == "fp64":  # float64 through and through
-            f32 = re.findall(r"\b(?:cvt[.\w]*\.f32\.f64|(?:add|mul|fma|div|sub)[.\w]*\.f32)\b", code)
+            f32 = re.findall(
+                r"\b(?:cvt[.\w]*\.f32\.f64|(?:add|mul|fma|div|sub)[.\w]*\.f32)\b", code
+            )
             assert not f32, f"{name}: float32 arithmetic in the float64 kernel: {set(f32)}"

@@ -208,3 +208,94 @@ def test_keep_by_size() -> None:
     assert _two_pass.keep_by_size(None, 8192, 151936, torch.bfloat16)  # 2.3 GiB: kept
     assert not _two_pass.keep_by_size(None, 32768, 151936, torch.bfloat16)  # 9.3 GiB
     assert not _two_pass.keep_by_size(False, 1, 1, torch.float32)
+
+
+# --------------------------------------------------------------------------- distillation
+
+
+def _distill_problem(dtype: torch.dtype = F64) -> dict[str, Any]:
+    from test_linear_distill import problem as distill_problem
+
+    return distill_problem(8, dtype)
+
+
+@pytest.mark.parametrize("keep", KEEP)
+@pytest.mark.parametrize(
+    "opts",
+    [
+        {"kind": "jsd", "beta": 0.3, "temperature": 0.9, "softcap": 2.0},
+        {"teacher_ids": True, "log_prob_min_clamp": -4.0},
+        {"teacher_ids": True, "topk_tail": "bucket", "temperature": 0.8},
+        {"kind": "reverse_kl", "topk": 3, "topk_support": "union", "topk_tail": "renormalize"},
+    ],
+)  # fmt: skip
+def test_distill_gradcheck(keep: bool, opts: dict[str, Any]) -> None:
+    """float64 gradcheck and double backward of ``linear_distill_loss(backend="two_pass")``."""
+    p = _distill_problem()
+    teacher = p["topk_logp"] if "teacher_ids" in opts else p["teacher"]
+    kw = {k: v for k, v in opts.items() if k != "teacher_ids"}
+    if "teacher_ids" in opts:
+        kw["teacher_ids"] = p["ids"]
+
+    def fn(h: Tensor, w: Tensor, b: Tensor) -> Tensor:
+        return d.linear_distill_loss(
+            h, w, teacher, p["mask"], bias=b, backend="two_pass", keep_logits=keep, **kw
+        )
+
+    leaves = [p[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")]
+    assert torch.autograd.gradcheck(fn, leaves, fast_mode=True)
+    assert torch.autograd.gradgradcheck(fn, leaves, fast_mode=True)
+
+
+@pytest.mark.parametrize("keep", KEEP)
+@pytest.mark.parametrize("topk", [False, True, "bucket"])
+def test_distill_masked_garbage_changes_nothing(keep: bool, topk: bool | str) -> None:
+    from test_linear_distill import dirtied
+
+    p = _distill_problem(torch.float32)
+    opts: dict[str, Any] = {"teacher_ids": p["ids"]} if topk else {"kind": "jsd"}
+    if isinstance(topk, str):
+        opts["topk_tail"] = topk
+
+    def run(q: dict[str, Any]) -> list[Tensor]:
+        teacher = q["topk_logp"] if topk else q["teacher"]
+        kw = dict(opts, teacher_ids=q["ids"]) if topk else opts
+        leaves = [q[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")]
+        loss = d.linear_distill_loss(
+            leaves[0], leaves[1], teacher, q["mask"], bias=leaves[2], is_weights=q["is_weights"],
+            backend="two_pass", keep_logits=keep, **kw,
+        )  # fmt: skip
+        return [loss.detach(), *torch.autograd.grad(loss, leaves)]
+
+    for x, y in zip(run(dirtied(p, "topk_logp", "ids")), run(p), strict=True):
+        assert torch.equal(x, y)
+
+
+def test_distill_retained_graph_and_diagnostics() -> None:
+    """A second backward gives the same bits (the kept logits formed again); the
+    diagnostics equal the chunked path's."""
+    p = _distill_problem(torch.float32)
+    args = (p["topk_logp"], p["mask"])
+    kw = {"teacher_ids": p["ids"], "topk_tail": "bucket", "backend": "two_pass"}
+    leaves = [p[k].clone().requires_grad_(True) for k in ("hidden", "weight")]
+    loss, diag = d.linear_distill_loss_with_diagnostics(leaves[0], leaves[1], *args, keep_logits=True, **kw)  # fmt: skip
+    first = torch.autograd.grad(loss, leaves, retain_graph=True)
+    second = torch.autograd.grad(loss, leaves)
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+    kw["backend"] = "chunked"
+    _, want = d.linear_distill_loss_with_diagnostics(p["hidden"], p["weight"], *args, **kw)
+    for x, y in zip(diag, want, strict=True):
+        assert x is not None and y is not None
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.usefixtures("no_runtime_typecheck")
+def test_distill_refuses_triton_by_name() -> None:
+    p = _distill_problem(torch.float32)
+    with pytest.raises(d.InputError, match="backend='triton'"):
+        d.linear_distill_loss(p["hidden"], p["weight"], p["teacher"], p["mask"], backend="triton")
+    with pytest.raises(d.InputError, match="keep_logits"):
+        d.linear_distill_loss(
+            p["hidden"], p["weight"], p["teacher"], p["mask"], backend="chunked", keep_logits=True
+        )

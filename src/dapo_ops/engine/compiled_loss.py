@@ -105,7 +105,7 @@ class CompiledPolicyLoss:
         check_max_len(self.max_len)
         if self.kl is not None and not isinstance(self.kl, KLPenalty):
             raise InputError(f"CompiledPolicyLoss.kl must be a KLPenalty or None, got {self.kl!r}")
-        if self.backend == "triton":
+        if self.backend == "triton":  # type: ignore[comparison-overlap]
             raise InputError(
                 "CompiledPolicyLoss.backend='triton' was removed: its kernels were slower than "
                 "'inductor' on an H100 (1.008 ms vs 0.735 ms at 64 x 4096); use "

@@ -80,7 +80,7 @@ def _inputs(z_ptr, row, cols, ok, tok, tau_ptr, par_ptr, HAS_TAU: tl.constexpr,
     if HAS_CAP:
         t = _tanh(z / tl.load(par_ptr + 1))
         x = t * tl.load(par_ptr + 1)
-    if ACC == tl.float32:  # noqa: SIM300  IEEE division, as ATen's (the default is 2 ulps)
+    if ACC == tl.float32:  # noqa: SIM108, SIM300  IEEE division as ATen's (default: 2 ulps)
         x = tl.math.div_rn(x, temp)
     else:  # float64 division is IEEE
         x = x / temp
@@ -113,12 +113,12 @@ def stats(z_ptr, z_stride, tok_ptr, tau_ptr, par_ptr, out_ptr, N, V,
     tok = tl.load(tok_ptr + row)
     cols = tl.arange(0, BLOCK)
     ok = cols < V
-    z0, x, t0 = _inputs(base, row, cols, ok, tok, tau_ptr, par_ptr, HAS_TAU, HAS_CAP, ACC)
-    m, r0, s0, s1 = _block_stats(x, _max(x))
+    _z0, x, _t0 = _inputs(base, row, cols, ok, tok, tau_ptr, par_ptr, HAS_TAU, HAS_CAP, ACC)
+    m, _r0, s0, s1 = _block_stats(x, _max(x))
     for start in range(BLOCK, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         ok = cols < V
-        zb, x, tb = _inputs(base, row, cols, ok, tok, tau_ptr, par_ptr, HAS_TAU, HAS_CAP, ACC)
+        _zb, x, _tb = _inputs(base, row, cols, ok, tok, tau_ptr, par_ptr, HAS_TAU, HAS_CAP, ACC)
         new, ref, b0, b1 = _block_stats(x, m)
         dm = tl.where(m == float("-inf"), 0.0, m - ref)  # s0 = 0 there: no -inf * 0
         scale = tl.exp(dm)
@@ -127,8 +127,8 @@ def stats(z_ptr, z_stride, tok_ptr, tau_ptr, par_ptr, out_ptr, N, V,
         m = new
     here = (tok >= 0) & (tok < V)
     hit = tl.arange(0, 2) == 0
-    zy, xy, ty = _inputs(base, row, tok + tl.arange(0, 2), hit & here, tok, tau_ptr, par_ptr,
-                         HAS_TAU, HAS_CAP, ACC)  # fmt: skip
+    _zy, xy, _ty = _inputs(base, row, tok + tl.arange(0, 2), hit & here, tok, tau_ptr, par_ptr,
+                           HAS_TAU, HAS_CAP, ACC)  # fmt: skip
     xy = _sum(tl.where(hit & here, xy, 0.0))
     tl.store(out_ptr + row, m)
     tl.store(out_ptr + N + row, s0)
@@ -148,8 +148,8 @@ def grad(z_ptr, z_stride, g_ptr, g_stride, tok_ptr, tau_ptr, par_ptr, lse_ptr, e
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < V
     tok = tl.load(tok_ptr + row)
-    z, x, t = _inputs(z_ptr + row * z_stride, row, cols, ok, tok, tau_ptr, par_ptr,
-                      HAS_TAU, HAS_CAP, ACC)  # fmt: skip
+    _z, x, t = _inputs(z_ptr + row * z_stride, row, cols, ok, tok, tau_ptr, par_ptr,
+                       HAS_TAU, HAS_CAP, ACC)  # fmt: skip
     lp = x - tl.load(lse_ptr + row)
     p = tl.exp(lp)
     a = tl.load(a_ptr + row)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -114,7 +115,11 @@ def _thresholds(z: Tensor, spec: TwoPassSpec) -> Tensor | None:
         return None
     cdt = compute_dtype(z.dtype)
     raw = z.to(cdt)
-    x = raw if spec.rows.softcap is None else spec.rows.softcap * torch.tanh(raw / spec.rows.softcap)
+    x = (
+        raw
+        if spec.rows.softcap is None
+        else spec.rows.softcap * torch.tanh(raw / spec.rows.softcap)
+    )
     x = x / spec.rows.temperature
     tau = thresholds(x, spec.trunc)
     return torch.where(x >= tau.unsqueeze(1), raw, math.inf).amin(dim=1)
@@ -125,53 +130,46 @@ def _row_pieces(spec: TwoPassSpec, rows: int, cols: int) -> list[tuple[int, int]
     return [(s, min(s + step, rows)) for s in range(0, rows, step)]
 
 
-def _stats_block(spec: TwoPassSpec, z: Tensor, tok: Tensor) -> tuple[Tensor, Tensor | None]:
-    """Pass-1 pieces ``[4, rows]`` and raw thresholds of a block of whole rows."""
-    pieces, taus = [], []
-    for s, e in _row_pieces(spec, z.shape[0], z.shape[1]):
-        tau = _thresholds(z[s:e], spec)
-        pieces.append(stats(z[s:e], tok[s:e], tau, spec.rows, spec.impl))
-        if tau is not None:
-            taus.append(tau)
-    return torch.cat(pieces, dim=1), torch.cat(taus) if taus else None
+#: Reads a block of whole rows of logits in pass 1: ``(z, rows)``.
+RowVisit = Callable[[Tensor, slice], None]
+
+
+def blocks1(
+    spec: TwoPassSpec, h: Tensor, w: Tensor, b: Tensor | None, visit: RowVisit
+) -> Tensor | None:
+    """Pass 1's products: every row's logits handed to ``visit`` a block of whole rows at
+    a time; the ``[N, V]`` logits returned when kept, else None."""
+    n, vocab = h.shape[0], w.shape[0]
+    if spec.keep:
+        z = logits_into(h.new_empty(n, vocab), h, w, b)
+        for s, e in _row_pieces(spec, n, vocab):
+            visit(z[s:e], slice(s, e))
+        return z
+    rows = max(1, spec.budget // vocab)
+    buf = h.new_empty(min(rows, n) * vocab)
+    for s in range(0, n, rows):
+        e = min(s + rows, n)
+        z = logits_into(_view(buf, e - s, vocab), h[s:e], w, b)
+        for s2, e2 in _row_pieces(spec, e - s, vocab):
+            visit(z[s2:e2], slice(s + s2, s + e2))
+    return None
 
 
 def pass1(spec: TwoPassSpec, h: Tensor, w: Tensor, b: Tensor | None, tok: Tensor) -> Pass1:
     """``log p_y``, ``H``, ``lse`` of every row of ``h`` (``tok`` int64 ``[N]``)."""
-    n, vocab = h.shape[0], w.shape[0]
-    if spec.keep:
-        z = logits_into(h.new_empty(n, vocab), h, w, b)
-        pieces, tau = _stats_block(spec, z, tok)
-        logits: Tensor | None = z
-    else:
-        rows = max(1, spec.budget // vocab)
-        buf = h.new_empty(min(rows, n) * vocab)
-        parts, taus = [], []
-        for s in range(0, n, rows):
-            e = min(s + rows, n)
-            z = logits_into(_view(buf, e - s, vocab), h[s:e], w, b)
-            piece, tau = _stats_block(spec, z, tok[s:e])
-            parts.append(piece)
-            if tau is not None:
-                taus.append(tau)
-        cdt = compute_dtype(h.dtype)
-        pieces = torch.cat(parts, dim=1) if parts else h.new_zeros((4, 0), dtype=cdt)
-        tau = torch.cat(taus) if taus else None
-        logits = None
+    cdt = compute_dtype(h.dtype)
+    pieces = h.new_empty((4, h.shape[0]), dtype=cdt)
+    taus: list[Tensor] = []
+
+    def visit(z: Tensor, rows: slice) -> None:
+        tau = _thresholds(z, spec)
+        pieces[:, rows] = stats(z, tok[rows], tau, spec.rows, spec.impl)
+        if tau is not None:
+            taus.append(tau)
+
+    logits = blocks1(spec, h, w, b, visit)
     logp, ent, lse = finish(pieces)
-    return Pass1(logp, ent, lse, tau, logits)
-
-
-def _grad_rows(
-    spec: TwoPassSpec, z: Tensor, tok: Tensor, tau: Tensor | None,
-    up: tuple[Tensor, Tensor, Tensor, Tensor | None], col0: int,
-) -> Tensor:  # fmt: skip
-    """``G`` over ``z`` in place, a piece of rows at a time for the torch functions."""
-    for s, e in _row_pieces(spec, z.shape[0], z.shape[1]):
-        part = tuple(None if x is None else x[s:e] for x in up)
-        tau_p = None if tau is None else tau[s:e]
-        grad_(z[s:e], z[s:e], tok[s:e], tau_p, spec.rows, part, spec.impl, col0)  # type: ignore[arg-type]
-    return z
+    return Pass1(logp, ent, lse, torch.cat(taus) if taus else None, logits)
 
 
 @functools.lru_cache(maxsize=4)
@@ -200,21 +198,27 @@ def _add_hidden_grad(dh: Tensor, g: Tensor, w: Tensor) -> None:
         dh.add_(g @ w)
 
 
-def pass2(
-    spec: TwoPassSpec, h: Tensor, w: Tensor, b: Tensor | None, tok: Tensor, p1: Pass1,
-    a: Tensor, bvec: Tensor | None, need: tuple[bool, bool, bool],
+#: Writes ``G`` over a block of logits in place: ``(z, rows, col0)`` with ``z`` the
+#: block (``[rows.stop - rows.start, width]``), its first vocabulary id ``col0``.
+RowGrad = Callable[[Tensor, slice, int], None]
+
+
+def products2(
+    spec: TwoPassSpec, h: Tensor, w: Tensor, b: Tensor | None, logits: Tensor | None,
+    row_grad: RowGrad, need: tuple[bool, bool, bool],
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:  # fmt: skip
-    """``(dh, dW, db)`` in the inputs' dtypes (None where ``need`` says so) of
-    ``sum_t a_t log p_y + b_t H_t``; ``p1`` from :func:`pass1` on the same inputs."""
+    """Pass 2's products around ``row_grad``: ``(dh, dW, db)`` in the inputs' dtypes
+    (None where ``need`` says so), over the kept ``logits`` or vocabulary slices."""
     n, vocab = h.shape[0], w.shape[0]
     cdt = compute_dtype(h.dtype)
-    up = (p1.lse, p1.ent, a.to(cdt), None if bvec is None else bvec.to(cdt))
     if n == 0:
         zeros = (h.new_zeros(h.shape), w.new_zeros(w.shape), w.new_zeros(vocab))
         return tuple(z if want else None for z, want in zip(zeros, need, strict=True))  # type: ignore[return-value]
     if spec.keep:
-        assert p1.logits is not None
-        g = _grad_rows(spec, p1.logits, tok, p1.tau, up, 0)
+        assert logits is not None
+        for s, e in _row_pieces(spec, n, vocab):
+            row_grad(logits[s:e], slice(s, e), 0)
+        g = logits
         return (
             g @ w if need[0] else None,
             g.T @ h if need[1] else None,
@@ -227,8 +231,9 @@ def pass2(
     gb = w.new_empty(vocab, dtype=cdt) if need[2] else None
     for c0 in range(0, vocab, cols):
         c1 = min(c0 + cols, vocab)
-        z = logits_into(_view(buf, n, c1 - c0), h, w[c0:c1], None if b is None else b[c0:c1])
-        g = _grad_rows(spec, z, tok, p1.tau, up, c0)
+        g = logits_into(_view(buf, n, c1 - c0), h, w[c0:c1], None if b is None else b[c0:c1])
+        for s, e in _row_pieces(spec, n, c1 - c0):
+            row_grad(g[s:e], slice(s, e), c0)
         if gw is not None:
             torch.mm(g.T, h, out=gw[c0:c1])
         if dh is not None:
@@ -240,3 +245,20 @@ def pass2(
         gw,
         None if gb is None else gb.to(w.dtype),
     )
+
+
+def pass2(
+    spec: TwoPassSpec, h: Tensor, w: Tensor, b: Tensor | None, tok: Tensor, p1: Pass1,
+    a: Tensor, bvec: Tensor | None, need: tuple[bool, bool, bool],
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:  # fmt: skip
+    """``(dh, dW, db)`` of ``sum_t a_t log p_y + b_t H_t``; ``p1`` from :func:`pass1` on
+    the same inputs."""
+    cdt = compute_dtype(h.dtype)
+    up = (p1.lse, p1.ent, a.to(cdt), None if bvec is None else bvec.to(cdt))
+
+    def row_grad(z: Tensor, rows: slice, col0: int) -> None:
+        part = tuple(None if x is None else x[rows] for x in up)
+        tau = None if p1.tau is None else p1.tau[rows]
+        grad_(z, z, tok[rows], tau, spec.rows, part, spec.impl, col0)  # type: ignore[arg-type]
+
+    return products2(spec, h, w, b, p1.logits, row_grad, need)

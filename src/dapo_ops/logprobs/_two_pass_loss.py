@@ -94,7 +94,7 @@ class TwoPassPolicyLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor, *_: Any) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         hidden, weight, bias, h, a, *rest = ctx.saved_tensors
-        need = tuple(bool(n) for n in ctx.needs_input_grad[:3])
+        need: tuple[bool, bool, bool] = tuple(bool(n) for n in ctx.needs_input_grad[:3])  # type: ignore[assignment]
         if torch.is_grad_enabled():  # create_graph=True: differentiate the definition
             wanted = [x for x, n in zip((hidden, weight, bias), need, strict=True) if n]
             with torch.enable_grad():
@@ -144,7 +144,7 @@ class TwoPassLogpEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_logp: Tensor | None, grad_ent: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]  # fmt: skip
         hidden, weight, bias, h = ctx.saved_tensors
-        need = tuple(bool(n) for n in ctx.needs_input_grad[:3])
+        need: tuple[bool, bool, bool] = tuple(bool(n) for n in ctx.needs_input_grad[:3])  # type: ignore[assignment]
         if not any(need) or (grad_logp is None and grad_ent is None):
             return (None,) * 5
         p1: Pass1 = ctx.p1
@@ -152,9 +152,9 @@ class TwoPassLogpEntropy(torch.autograd.Function):
             wanted = [x for x, n in zip((hidden, weight, bias), need, strict=True) if n]
             with torch.enable_grad():
                 logp, ent = reference_logp_entropy(hidden, weight, bias, ctx.tok, ctx.tp, p1.tau)
-                total = sum(
-                    (g * v).sum() for g, v in ((grad_logp, logp), (grad_ent, ent)) if g is not None
-                )
+                total = logp.new_zeros(())
+                for g, v in ((grad_logp, logp), (grad_ent, ent)):
+                    total = total if g is None else total + (g * v).sum()
                 got = iter(torch.autograd.grad(total, wanted, create_graph=True))
             return (*(next(got) if n else None for n in need), None, None)
         cdt = p1.lse.dtype

@@ -31,6 +31,8 @@ from dapo_ops._core._validate import (
     shape_str,
 )
 from dapo_ops.engine.aggregation import check_max_len, check_normalizer
+from dapo_ops.kernels.rows import RowMath
+from dapo_ops.logprobs._backends import Backend, resolve
 from dapo_ops.logprobs._distill_checks import (
     _number,
     check_ids,
@@ -39,9 +41,11 @@ from dapo_ops.logprobs._distill_checks import (
     check_tail,
 )
 from dapo_ops.logprobs._distill_terms import DistillInputs, DistillSpec, LinearDistill, forward_pass
+from dapo_ops.logprobs._distill_two_pass import TwoPassDistill
 from dapo_ops.logprobs._fused_linear import DEFAULT_FUSED_CHUNK_ELEMENTS
 from dapo_ops.logprobs._logprob_checks import auto_chunk, check_options, check_projection
 from dapo_ops.logprobs._softcap import check_softcap
+from dapo_ops.logprobs._two_pass import two_pass_spec
 
 __all__ = ["DistillDiagnostics", "linear_distill_loss", "linear_distill_loss_with_diagnostics"]
 
@@ -70,6 +74,8 @@ class DistillOptions(TypedDict, total=False):
     is_weights: Tensor | None
     topk_tail: TopkTail
     topk_support: TopkSupport
+    backend: Backend
+    keep_logits: bool | None
 
 
 class DistillDiagnostics(NamedTuple):
@@ -156,8 +162,20 @@ def _prepare(
 
 
 def _run(
-    spec: DistillSpec, h: Tensor, w: Tensor, b: Tensor | None, t: DistillInputs
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    spec: DistillSpec, h: Tensor, w: Tensor, b: Tensor | None, t: DistillInputs,
+    o: DistillOptions,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    backend, keep = o.get("backend", "auto"), o.get("keep_logits")
+    if backend == "triton":
+        raise InputError(
+            "backend='triton': linear_distill_loss has no Triton row kernels; "
+            "backend='two_pass' runs the same two-pass design with ATen row functions"
+        )
+    if resolve(backend, h.device, o.get("chunk_size"), keep) != "chunked":
+        tp = two_pass_spec(
+            "two_pass", RowMath(spec.temperature, spec.softcap), None, keep, h, w.shape[0]
+        )
+        return TwoPassDistill.apply(h, w, b, spec, t, tp)  # type: ignore[no-any-return,no-untyped-call]
     need = tuple(torch.is_grad_enabled() and x is not None and x.requires_grad for x in (h, w, b))
     if any(need):
         return LinearDistill.apply(h, w, b, spec, t)  # type: ignore[no-any-return,no-untyped-call]
@@ -190,6 +208,8 @@ def linear_distill_loss(
     is_weights: Float[Tensor, "batch seq"] | None = None,
     topk_tail: TopkTail = "none",
     topk_support: TopkSupport = "teacher",
+    backend: Backend = "auto",
+    keep_logits: bool | None = None,
 ) -> Float[Tensor, ""]:
     r"""A distillation loss from the student's last hidden states: no logits tensor.
 
@@ -281,10 +301,11 @@ def linear_distill_loss(
         "topk": topk, "log_prob_min_clamp": log_prob_min_clamp, "loss_clamp": loss_clamp,
         "bias": bias, "mode": mode, "normalizer": normalizer, "max_len": max_len,
         "chunk_size": chunk_size, "softcap": softcap, "is_weights": is_weights,
-        "topk_tail": topk_tail, "topk_support": topk_support,
+        "topk_tail": topk_tail, "topk_support": topk_support, "backend": backend,
+        "keep_logits": keep_logits,
     }  # fmt: skip
     spec, h, w, b, t = _prepare(hidden, weight, teacher, mask, options)
-    return _run(spec, h, w, b, t)[0]
+    return _run(spec, h, w, b, t, options)[0]
 
 
 @checks_values
@@ -310,7 +331,7 @@ def linear_distill_loss_with_diagnostics(
         ((1, 3), True)
     """
     spec, h, w, b, t = _prepare(hidden, weight, teacher, mask, options)
-    loss, per_token, smass, tmass = _run(spec, h, w, b, t)
+    loss, per_token, smass, tmass = _run(spec, h, w, b, t, options)
     topk = t.ids is not None or spec.topk is not None
     return loss, DistillDiagnostics(
         per_token.detach(), smass.detach() if topk else None, tmass.detach() if topk else None
