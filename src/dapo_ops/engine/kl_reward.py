@@ -63,7 +63,8 @@ def kl_reward(
     valid token counts as 0, as verl's ``actor/reward_kl_penalty``): the "current KL" to
     hand to :func:`adaptive_kl_coef`. A 0-dim tensor: no host sync.
 
-    ``coef``: a finite number or a 0-dim tensor (no recompilation when it changes).
+    ``coef``: a finite number or a 0-dim tensor (no recompilation when it changes; a host
+    tensor is read as a scalar, not copied to the device).
     Masked positions of ``rewards`` and ``kl`` are 0, whatever the inputs hold there.
 
     Defaults: ``k1`` (verl 0.9.1's ``algorithm.kl_penalty="kl"``; Ziegler et al. 2019,
@@ -86,10 +87,13 @@ def kl_reward(
     valid = mask if mask.dtype == torch.bool else mask != 0
     dtype = compute_dtype(token_scores, kl, *([c] if isinstance(c, Tensor) else []))
     kl = kl.to(dtype)
-    beta = c.to(device=kl.device, dtype=dtype) if isinstance(c, Tensor) else c
+    beta: Tensor | float = c
+    if isinstance(c, Tensor):  # a host scalar stays there: no blocking copy to the device
+        beta = c.to(dtype=dtype) if c.device.type == "cpu" else c.to(kl.device, dtype)
     rewards = masked(valid, token_scores.to(dtype) - beta * kl)
     rows = safe_divide(kl.sum(dim=-1), valid.sum(dim=-1).to(dtype))
-    return KLReward(rewards, kl, safe_divide(rows.sum(), float(rows.shape[0])))
+    # a Python count, not a tensor made from it: that would be a copy to the device
+    return KLReward(rewards, kl, rows.sum() / max(rows.shape[0], 1))
 
 
 def adaptive_kl_coef(

@@ -82,8 +82,8 @@ def pf_ppo_resample(
     update; responses with extreme scores appear several times, the others may vanish.
     The ``1e-8`` floor is verl's (an all-zero batch is drawn uniformly). Seeded by
     ``generator``, else by torch's global generator: the same seed and the same weights
-    give verl's indices. ``torch.multinomial`` checks the weights on the host (one host sync);
-    a NaN or inf weight raises ``InputError``. An empty batch gives an empty result.
+    give verl's indices. The weights are checked on the host (one host sync): a NaN or inf
+    weight raises ``InputError``. An empty batch gives an empty result.
 
     Example:
         >>> g = torch.Generator().manual_seed(0)
