@@ -132,13 +132,6 @@ def _no_sync_calls(b: Batch) -> dict[str, Callable[[], object]]:
     return calls
 
 
-#: A known sync in the loss path: ``xfail(strict=True)`` until it is fixed.
-NUMBER_NORMALIZER = (
-    "engine/checks.normalizer_tensor makes the count with torch.as_tensor(number, "
-    "device=...): a blocking copy to the device (torch.full would make it there)"
-)
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @d.checked(False)  # checked mode reads values on the host by design
 def test_no_host_sync_where_none_is_promised(device: str) -> None:
@@ -157,7 +150,6 @@ def test_no_host_sync_where_none_is_promised(device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=NUMBER_NORMALIZER)
 @d.checked(False)
 def test_no_host_sync_with_a_number_as_normalizer(device: str) -> None:
     """``normalizer=`` a Python number (a step's token count known on the host)."""

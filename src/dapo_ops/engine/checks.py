@@ -113,4 +113,5 @@ def normalizer_tensor(
         return None
     if isinstance(given, Tensor):
         check_no_grad(name, given)
-    return torch.as_tensor(given, dtype=dtype, device=device)
+        return given.to(device=device, dtype=dtype)
+    return torch.full((), given, dtype=dtype, device=device)  # filled there: no host copy

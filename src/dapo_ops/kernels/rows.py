@@ -118,8 +118,11 @@ def _launch(kind: str) -> tuple[Any, dict[str, Any], int]:
 
 
 def _params(rm: RowMath, cdt: torch.dtype, device: torch.device) -> Tensor:
-    """``[T, c]`` in the compute dtype: Triton would narrow a Python float to float32."""
-    return torch.tensor([rm.temperature, rm.softcap or 1.0], dtype=cdt, device=device)
+    """``[T, c]`` in the compute dtype (Triton would narrow a Python float to float32),
+    filled on the device: no copy from the host."""
+    out = torch.full((2,), rm.temperature, dtype=cdt, device=device)
+    out[1] = rm.softcap or 1.0
+    return out
 
 
 def stats(z: Tensor, tok: Tensor, tau: Tensor | None, rm: RowMath, impl: RowImpl) -> Tensor:

@@ -44,16 +44,23 @@ def _triton_runs(device: torch.device) -> bool:
 
 
 def resolve(
-    backend: object, device: torch.device, chunk_size: int | None, keep_logits: object
-) -> Path:
-    """The path a call runs; ``InputError`` naming the option for what cannot run."""
+    backend: object, device: torch.device, chunk_size: int | None, keep_logits: object,
+    split: bool = False,
+) -> Path:  # fmt: skip
+    """The path a call runs; ``InputError`` naming the option for what cannot run.
+    ``split``: ``vocab_group`` given (the two-pass backends only)."""
     check_option("backend", backend, BACKENDS)  # type: ignore[arg-type]
+    if split and (backend == "chunked" or chunk_size is not None):
+        raise InputError(
+            "vocab_group runs the two-pass design (backend 'auto', 'two_pass' or 'triton'); "
+            "the chunked backend (backend='chunked', or chunk_size given) has no split vocabulary"
+        )
     if keep_logits is not None and not isinstance(keep_logits, bool):
         raise InputError(
             f"keep_logits must be True, False or None (auto), got {type(keep_logits).__name__} "
             f"{keep_logits!r}"
         )
-    two_pass_asked = backend in ("two_pass", "triton") or keep_logits is not None
+    two_pass_asked = backend in ("two_pass", "triton") or keep_logits is not None or split
     if backend == "chunked" or (backend == "auto" and chunk_size is not None):
         if keep_logits is not None:
             raise InputError(
@@ -70,8 +77,8 @@ def resolve(
     if is_compiling():
         if two_pass_asked:
             raise InputError(
-                f"backend={backend!r} and keep_logits run eagerly only; under torch.compile "
-                "use backend='chunked' (or 'auto')"
+                f"backend={backend!r}, keep_logits and vocab_group run eagerly only; under "
+                "torch.compile use backend='chunked' (or 'auto') without them"
             )
         return "chunked"
     if backend == "auto":

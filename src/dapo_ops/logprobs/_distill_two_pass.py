@@ -43,6 +43,7 @@ from dapo_ops.logprobs._distill_terms import (
 )
 from dapo_ops.logprobs._softmax_blocks import LOGP_FLOOR
 from dapo_ops.logprobs._two_pass import TwoPassSpec, blocks1, logits_into, products2
+from dapo_ops.logprobs._two_pass_loss import no_split_twice
 
 
 class DistillPass1(NamedTuple):
@@ -221,7 +222,11 @@ class TwoPassDistill(torch.autograd.Function):
         valid = t.valid.reshape(-1, 1)
         h = torch.where(valid, hidden.reshape(-1, hidden.shape[-1]), 0.0)
         p1 = pass1(spec, tp, h, weight, bias, t)
-        ctx.spec, ctx.inputs, ctx.tp, ctx.p1 = spec, t, tp, p1
+        # ctx keeps what pass 2 needs, never an output: that would close a cycle through
+        # the graph, which Python's collector cannot see (the kept logits would leak)
+        none = p1.lse.new_zeros(0)
+        kept = p1._replace(total=none, per_token=none, smass=None, tmass=None)
+        ctx.spec, ctx.inputs, ctx.tp, ctx.p1 = spec, t, tp, kept
         ctx.save_for_backward(hidden, weight, bias, h)
         shape = t.valid.shape
         extra = [p1.per_token.new_zeros(0) if x is None else x.view(shape) for x in (p1.smass, p1.tmass)]  # fmt: skip
@@ -234,6 +239,7 @@ class TwoPassDistill(torch.autograd.Function):
         hidden, weight, bias, h = ctx.saved_tensors
         need: tuple[bool, bool, bool] = tuple(bool(n) for n in ctx.needs_input_grad[:3])  # type: ignore[assignment]
         if torch.is_grad_enabled():  # create_graph=True: differentiate the definition
+            no_split_twice(ctx.tp)
             wanted = [x for x, n in zip((hidden, weight, bias), need, strict=True) if n]
             with torch.enable_grad():
                 loss = reference_loss(ctx.spec, hidden, weight, bias, ctx.inputs)

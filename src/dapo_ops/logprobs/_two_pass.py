@@ -41,6 +41,7 @@ from torch import Tensor
 
 from dapo_ops.kernels.rows import RowImpl, RowMath, compute_dtype, finish, grad_, stats
 from dapo_ops.logprobs._truncation import Truncation, thresholds
+from dapo_ops.logprobs._vocab_parallel import VocabSplit, merge_stats
 
 #: Elements of the recomputing setting's one buffer (pass 1's token blocks, pass 2's
 #: vocabulary slices): 2**27, 256 MiB of bfloat16 logits (a few hundred rows of a 152k
@@ -65,6 +66,7 @@ class TwoPassSpec:
     impl: RowImpl
     keep: bool
     budget: int
+    split: VocabSplit | None = None  # the rank's share of a split vocabulary, or None
 
 
 def keep_by_size(keep_logits: bool | None, tokens: int, vocab: int, dtype: torch.dtype) -> bool:
@@ -76,15 +78,20 @@ def keep_by_size(keep_logits: bool | None, tokens: int, vocab: int, dtype: torch
 
 def two_pass_spec(
     path: str, rows: RowMath, trunc: Truncation | None, keep_logits: bool | None,
-    h: Tensor, vocab: int,
+    h: Tensor, vocab: int, split: VocabSplit | None = None,
 ) -> TwoPassSpec:  # fmt: skip
     """The spec of a call resolved to ``path`` (``"two_pass"`` or ``"triton"``) with
-    ``h`` its ``[..., d]`` hidden states."""
+    ``h`` its ``[..., d]`` hidden states and ``vocab`` the rank's rows of the weight."""
     tokens = h.numel() // max(h.shape[-1], 1)
     keep = keep_by_size(keep_logits, tokens, vocab, h.dtype)
     budget = BUDGET_ELEMENTS["cpu" if h.device.type == "cpu" else "other"]
     impl: RowImpl = "triton" if path == "triton" else "torch"
-    return TwoPassSpec(rows, trunc, impl, keep, budget)
+    return TwoPassSpec(rows, trunc, impl, keep, budget, split)
+
+
+def local_ids(tok: Tensor, spec: TwoPassSpec) -> Tensor:
+    """The chosen ids as columns of this rank's slice (outside ``[0, V_r)``: elsewhere)."""
+    return tok if spec.split is None else tok - spec.split.start
 
 
 class Pass1(NamedTuple):
@@ -160,6 +167,7 @@ def pass1(spec: TwoPassSpec, h: Tensor, w: Tensor, b: Tensor | None, tok: Tensor
     cdt = compute_dtype(h.dtype)
     pieces = h.new_empty((4, h.shape[0]), dtype=cdt)
     taus: list[Tensor] = []
+    tok = local_ids(tok, spec)
 
     def visit(z: Tensor, rows: slice) -> None:
         tau = _thresholds(z, spec)
@@ -168,6 +176,8 @@ def pass1(spec: TwoPassSpec, h: Tensor, w: Tensor, b: Tensor | None, tok: Tensor
             taus.append(tau)
 
     logits = blocks1(spec, h, w, b, visit)
+    if spec.split is not None:
+        pieces = merge_stats(pieces, spec.split)
     logp, ent, lse = finish(pieces)
     return Pass1(logp, ent, lse, torch.cat(taus) if taus else None, logits)
 
@@ -255,6 +265,7 @@ def pass2(
     the same inputs."""
     cdt = compute_dtype(h.dtype)
     up = (p1.lse, p1.ent, a.to(cdt), None if bvec is None else bvec.to(cdt))
+    tok = local_ids(tok, spec)
 
     def row_grad(z: Tensor, rows: slice, col0: int) -> None:
         part = tuple(None if x is None else x[rows] for x in up)

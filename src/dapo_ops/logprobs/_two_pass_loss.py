@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from dapo_ops._core._rules import compute_dtype, masked
+from dapo_ops._core._validate import InputError
 from dapo_ops.engine.aggregation import loss_scale
 from dapo_ops.logprobs._linear_loss import (
     LinearInputs,
@@ -39,11 +40,20 @@ def _engine(
     loss, a = _objective_terms(spec.loss, logp.to(dtype), t, scale, with_grad)
     b = None
     if isinstance(t.coef, Tensor) or t.coef != 0.0:
-        coef = torch.as_tensor(t.coef, dtype=dtype, device=logp.device)
+        coef = t.coef if isinstance(t.coef, Tensor) else torch.full((), t.coef, dtype=dtype, device=logp.device)  # fmt: skip
         w = masked(t.valid, (-coef * scale).expand(t.valid.shape))
         loss = loss + (w * masked(t.valid, ent.to(dtype))).sum()
         b = w
     return loss, a, b
+
+
+def no_split_twice(tp: TwoPassSpec) -> None:
+    """Double backward differentiates the whole-vocabulary definition: not on a split one."""
+    if tp.split is not None:
+        raise InputError(
+            "create_graph=True (double backward) is not available with vocab_group: the "
+            "definition it differentiates needs the whole vocabulary on one rank"
+        )
 
 
 def _rows(hidden: Tensor, valid: Tensor | None) -> Tensor:
@@ -86,8 +96,10 @@ class TwoPassPolicyLoss(torch.autograd.Function):
         a = p1.logp.new_zeros(shape) if a is None else a
         saved = (a,) if g_ent is None else (a, g_ent)
         ctx.save_for_backward(hidden, weight, bias, h, *saved)
-        logp = p1.logp.view(shape)
-        entropy = p1.ent.view(shape) if spec.entropy else logp.new_zeros(0)
+        # copies: an output held by ctx would close a cycle through the graph, which
+        # Python's collector cannot see (the kept logits and the group would leak)
+        logp = p1.logp.view(shape).clone()
+        entropy = p1.ent.view(shape).clone() if spec.entropy else logp.new_zeros(0)
         ctx.mark_non_differentiable(logp, entropy)
         return loss, logp, entropy
 
@@ -96,6 +108,7 @@ class TwoPassPolicyLoss(torch.autograd.Function):
         hidden, weight, bias, h, a, *rest = ctx.saved_tensors
         need: tuple[bool, bool, bool] = tuple(bool(n) for n in ctx.needs_input_grad[:3])  # type: ignore[assignment]
         if torch.is_grad_enabled():  # create_graph=True: differentiate the definition
+            no_split_twice(ctx.tp)
             wanted = [x for x, n in zip((hidden, weight, bias), need, strict=True) if n]
             with torch.enable_grad():
                 loss = reference_loss(ctx.spec, hidden, weight, bias, ctx.inputs)
@@ -139,7 +152,7 @@ class TwoPassLogpEntropy(torch.autograd.Function):
         ctx.tp, ctx.p1, ctx.tok = tp, p1, tokens
         ctx.save_for_backward(hidden, weight, bias, h)
         ctx.set_materialize_grads(False)
-        return p1.logp, p1.ent
+        return p1.logp.clone(), p1.ent.clone()  # copies: ctx holds p1 (see above)
 
     @staticmethod
     def backward(ctx: Any, grad_logp: Tensor | None, grad_ent: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]  # fmt: skip
@@ -149,6 +162,7 @@ class TwoPassLogpEntropy(torch.autograd.Function):
             return (None,) * 5
         p1: Pass1 = ctx.p1
         if torch.is_grad_enabled():  # create_graph=True: differentiate the definition
+            no_split_twice(ctx.tp)
             wanted = [x for x, n in zip((hidden, weight, bias), need, strict=True) if n]
             with torch.enable_grad():
                 logp, ent = reference_logp_entropy(hidden, weight, bias, ctx.tok, ctx.tp, p1.tau)

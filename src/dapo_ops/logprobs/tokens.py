@@ -26,26 +26,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import torch
 from jaxtyping import Float, Integer
 from torch import Tensor
 
-from dapo_ops._core._validate import InputError, shape_str
-from dapo_ops.logprobs._fused_linear import DEFAULT_FUSED_CHUNK_ELEMENTS
-from dapo_ops.logprobs._fused_logp_entropy import FusedLinearLogpEntropy
+from dapo_ops.logprobs._backends import Backend
+from dapo_ops.logprobs._fused_call import FusedOptions, fused_run
 from dapo_ops.logprobs._logits_path import from_logits
-from dapo_ops.logprobs._logprob_checks import (
-    auto_chunk,
-    check_options,
-    check_projection,
-    check_tokens,
-)
-from dapo_ops.logprobs._softcap import check_softcap
-from dapo_ops.kernels.rows import RowMath
-from dapo_ops.logprobs._backends import Backend, resolve
-from dapo_ops.logprobs._two_pass import two_pass_spec
-from dapo_ops.logprobs._two_pass_loss import TwoPassLogpEntropy
-from dapo_ops.logprobs._truncation import truncation
 
 __all__ = [
     "LogpEntropy",
@@ -233,6 +219,7 @@ def fused_logprobs_entropy(
     chunk_size: int | None = None,
     backend: Backend = "auto",
     keep_logits: bool | None = None,
+    vocab_group: object = None,
     top_k: int | None = None,
     top_p: float | None = None,
     min_p: float | None = None,
@@ -296,30 +283,10 @@ def fused_logprobs_entropy(
         >>> torch.allclose(logp, ref.squeeze(-1), atol=1e-5)
         True
     """
-    hidden, weight, bias = check_projection(hidden, weight, bias, "[tokens, d] or [batch, seq, d]")
-    vocab = weight.shape[0]
-    check_options(temperature, chunk_size)
-    trunc, cap = truncation(top_k, top_p, min_p), check_softcap(softcap)
-    rows_shape = hidden.shape[:-1]
-    tokens = check_tokens(tokens, rows_shape, f"hidden {shape_str(hidden)}", vocab)
-    if tokens.device != hidden.device:
-        raise InputError(f"tokens is on {tokens.device} but hidden is on {hidden.device}")
-    flat, ids = hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1).to(torch.int64)
-    path = resolve(backend, hidden.device, chunk_size, keep_logits)
-    if path != "chunked":
-        rm = RowMath(float(temperature), cap)
-        tp = two_pass_spec(path, rm, trunc, keep_logits, flat, vocab)
-        logp, entropy = TwoPassLogpEntropy.apply(flat, weight, bias, ids, tp)  # type: ignore[no-untyped-call]
-        return LogpEntropy(logp.view(rows_shape), entropy.view(rows_shape))
-    chunk = auto_chunk(chunk_size, vocab, hidden.device, DEFAULT_FUSED_CHUNK_ELEMENTS)
-    logp, entropy = FusedLinearLogpEntropy.apply(  # type: ignore[no-untyped-call]
-        flat,
-        weight,
-        bias,
-        ids,
-        float(temperature),
-        chunk,
-        trunc,
-        cap,
-    )
-    return LogpEntropy(logp.view(rows_shape), entropy.view(rows_shape))
+    opts: FusedOptions = {  # a plain dict: torch.compile traces it
+        "bias": bias, "temperature": temperature, "chunk_size": chunk_size, "backend": backend,
+        "keep_logits": keep_logits, "vocab_group": vocab_group, "top_k": top_k, "top_p": top_p,
+        "min_p": min_p, "softcap": softcap,
+    }  # fmt: skip
+    logp, entropy = fused_run(hidden, weight, tokens, opts)
+    return LogpEntropy(logp, entropy)
