@@ -101,22 +101,23 @@ def leaves(p: dict[str, Tensor], sl: slice) -> tuple[Tensor, Tensor]:
 
 def _errors(p: dict[str, Tensor], rank: int, sl: slice, group: Any) -> dict[str, str]:
     """The bad calls, each with the message this rank got (or "no error")."""
-    w, b = leaves(p, sl)
+    w = leaves(p, sl)[0]
     bad_tokens = p["tokens"].clone()
     bad_tokens[0, 0] = V  # out of range on every rank (the global vocabulary is V)
+    rows = B - (rank == 0)  # rank 0 passes one row fewer
     calls = {
         "ids out of range": lambda: d.linear_policy_loss(
             p["hidden"], w, bad_tokens, p["old"], p["adv"], p["mask"], vocab_group=group
         ),
         "ranks disagree on shapes": lambda: d.linear_policy_loss(
-            p["hidden"][: B - (rank == 0)],
+            p["hidden"][:rows],
             w,
-            p["tokens"][: B - (rank == 0)],
-            p["old"][: B - (rank == 0)],
-            p["adv"][: B - (rank == 0)],
-            p["mask"][: B - (rank == 0)],
+            p["tokens"][:rows],
+            p["old"][:rows],
+            p["adv"][:rows],
+            p["mask"][:rows],
             vocab_group=group,
-        ),  # fmt: skip
+        ),
         "an empty slice": lambda: d.fused_logprobs_entropy(
             p["hidden"], w[: 0 if rank == 1 else w.shape[0]], p["tokens"], vocab_group=group
         ),

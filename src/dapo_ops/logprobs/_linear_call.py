@@ -165,7 +165,7 @@ def run(
     """``(loss, logp, entropy)`` of a checked call (``entropy`` asked or not)."""
     group = o.get("vocab_group")
     if group is not None:
-        o = o | {"normalizer": tp_only_normalizer(group, o.get("normalizer"))}  # type: ignore[typeddict-item]
+        o = o | {"normalizer": tp_only_normalizer(group, o.get("normalizer"))}  # type: ignore[typeddict-item,assignment]
     args = (hidden, weight, tokens, old_logp, advantages, mask, o, entropy)
     if group is None:
         return _run(*_prepare(*args), o, None)
