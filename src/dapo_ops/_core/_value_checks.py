@@ -11,6 +11,7 @@ parameter names, covers them all (tests/test_checked.py keeps the names in step)
   fail, as does any positive value (logits or probabilities passed as log-probs);
 - advantages (:data:`ADVANTAGES`): finite at valid positions (``[batch]`` or
   ``[batch, 1]``: in the rows with a valid token);
+- ``skip_padding``'s count of valid tokens (an int): at least the mask's count;
 - group verdicts (:data:`VERDICTS` with ``group_ids``): the per-sample ``keep`` of the
   flat layout is one verdict per group, so it must agree within each group (group ids
   themselves may be any integers, in any order, of uneven sizes: no other rule).
@@ -57,7 +58,21 @@ def check_values(arguments: Mapping[str, object]) -> None:
         checks.extend(_advantage_check(name, arguments.get(name), valid))
     for name in VERDICTS:
         checks.extend(_verdict_check(name, arguments.get(name), arguments.get("group_ids")))
+    checks.extend(_count_check(arguments.get("skip_padding"), valid))
     _raise_first(checks)
+
+
+def _count_check(count: object, valid: Tensor | None) -> Iterator[_Check]:
+    """``skip_padding``'s count (an int) is at least the valid tokens' (fewer would leave
+    tokens out of the loss, which is then NaN)."""
+    if valid is None or isinstance(count, bool) or not isinstance(count, int):
+        return
+    total = valid.sum()
+    yield _Check(
+        total > count,
+        lambda: f"skip_padding={count} is below the batch's valid tokens ({int(total)}): "
+        "the loss would leave tokens out",
+    )
 
 
 def _raise_first(checks: list[_Check]) -> None:

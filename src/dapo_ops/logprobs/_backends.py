@@ -45,15 +45,17 @@ def _triton_runs(device: torch.device) -> bool:
 
 def resolve(
     backend: object, device: torch.device, chunk_size: int | None, keep_logits: object,
-    split: bool = False,
+    needs: str | None = None,
 ) -> Path:  # fmt: skip
     """The path a call runs; ``InputError`` naming the option for what cannot run.
-    ``split``: ``vocab_group`` given (the two-pass backends only)."""
+    ``needs``: the option given that only the two-pass backends have (``vocab_group``,
+    ``skip_padding``, ``cu_seqlens``), or None."""
     check_option("backend", backend, BACKENDS)  # type: ignore[arg-type]
+    split = needs is not None
     if split and (backend == "chunked" or chunk_size is not None):
         raise InputError(
-            "vocab_group runs the two-pass design (backend 'auto', 'two_pass' or 'triton'); "
-            "the chunked backend (backend='chunked', or chunk_size given) has no split vocabulary"
+            f"{needs} runs on the two-pass design (backend 'auto', 'two_pass' or 'triton'); "
+            "the chunked backend (backend='chunked', or chunk_size given) does not have it"
         )
     if keep_logits is not None and not isinstance(keep_logits, bool):
         raise InputError(
@@ -77,8 +79,9 @@ def resolve(
     if is_compiling():
         if two_pass_asked:
             raise InputError(
-                f"backend={backend!r}, keep_logits and vocab_group run eagerly only; under "
-                "torch.compile use backend='chunked' (or 'auto') without them"
+                f"backend={backend!r}, keep_logits, vocab_group, skip_padding and cu_seqlens "
+                "run eagerly only; under torch.compile use backend='chunked' (or 'auto') "
+                "without them"
             )
         return "chunked"
     if backend == "auto":

@@ -68,7 +68,9 @@ def fused_run(hidden: object, weight: object, tokens: object, o: FusedOptions) -
     rows_shape, vocab = h.shape[:-1], w.shape[0]
     flat, ids = h.reshape(-1, h.shape[-1]), tok.reshape(-1).to(torch.int64)
     keep = o["keep_logits"]
-    path = resolve(o["backend"], h.device, o["chunk_size"], keep, split is not None)
+    path = resolve(
+        o["backend"], h.device, o["chunk_size"], keep, None if split is None else "vocab_group"
+    )
     if split is not None and trunc is not None:
         raise InputError(
             "top_k, top_p and min_p need whole rows; with vocab_group the rows are split across "

@@ -7,6 +7,8 @@ runs the chunked path or the two-pass design (``backend``, ``keep_logits``).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -30,12 +32,14 @@ from dapo_ops.kernels.rows import RowMath
 from dapo_ops.logprobs._backends import Backend, resolve
 from dapo_ops.logprobs._fused_linear import DEFAULT_FUSED_CHUNK_ELEMENTS
 from dapo_ops.logprobs._linear_loss import LinearInputs, LinearPolicyLoss, LinearSpec, forward_pass
+from dapo_ops.logprobs._linear_packed import unpack
 from dapo_ops.logprobs._logprob_checks import (
     auto_chunk,
     check_options,
     check_projection,
     check_tokens,
 )
+from dapo_ops.logprobs._packing import Packed, RowMap, check_skip_padding, skip_padding_map
 from dapo_ops.logprobs._softcap import check_softcap
 from dapo_ops.logprobs._truncation import truncation
 from dapo_ops.logprobs._two_pass import two_pass_spec
@@ -62,6 +66,8 @@ class LinearOptions(LossOptions, total=False):
     min_p: float | None
     softcap: float | None
     vocab_group: object
+    skip_padding: bool | int
+    cu_seqlens: Tensor | None
 
 
 def _prepare(
@@ -118,12 +124,32 @@ def _prepare(
     return spec, h, w, b, inputs
 
 
+def _row_map(t: LinearInputs, o: LinearOptions, packed: Packed | None) -> RowMap | None:
+    """The rows the passes run on: with ``skip_padding`` the valid ones, with
+    ``cu_seqlens`` the packed ones (the valid ones among them with both)."""
+    skip = o.get("skip_padding", False)
+    if packed is None:
+        count = check_skip_padding(skip, t.valid)
+        return None if count is None else skip_padding_map(t.valid, count, skip is True)
+    valid = t.valid.reshape(-1)[packed.dst]
+    count = check_skip_padding(skip, valid)
+    if count is None:
+        return RowMap(torch.arange(valid.shape[0], device=valid.device), packed.dst, None)
+    rows = skip_padding_map(valid, count, skip is True)
+    return rows._replace(dst=packed.dst[rows.src])
+
+
 def _run(
     spec: LinearSpec, h: Tensor, w: Tensor, b: Tensor | None, t: LinearInputs, o: LinearOptions,
-    split: VocabSplit | None,
+    split: VocabSplit | None, packed: Packed | None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     keep = o.get("keep_logits")
-    path = resolve(o.get("backend", "auto"), h.device, o.get("chunk_size"), keep, split is not None)
+    needs = next(
+        (name for name, on in (("vocab_group", split is not None), ("cu_seqlens", packed is not None),
+         ("skip_padding", o.get("skip_padding", False) is not False)) if on),
+        None,
+    )  # fmt: skip
+    path = resolve(o.get("backend", "auto"), h.device, o.get("chunk_size"), keep, needs)
     if split is not None and spec.trunc is not None:
         raise InputError(
             "top_k, top_p and min_p need whole rows; with vocab_group the rows are split across "
@@ -131,8 +157,10 @@ def _run(
         )
     if path != "chunked":
         rows = RowMath(spec.temperature, spec.softcap)
-        tp = two_pass_spec(path, rows, spec.trunc, keep, h, w.shape[0], split)
-        return TwoPassPolicyLoss.apply(h, w, b, spec, t, tp)  # type: ignore[no-any-return,no-untyped-call]
+        rm = _row_map(t, o, packed)
+        n = None if rm is None else rm.src.shape[0]
+        tp = two_pass_spec(path, rows, spec.trunc, keep, h, w.shape[0], split, n)
+        return TwoPassPolicyLoss.apply(h, w, b, spec, t, tp, rm)  # type: ignore[no-any-return,no-untyped-call]
     need = tuple(torch.is_grad_enabled() and x is not None and x.requires_grad for x in (h, w, b))
     if any(need):
         return LinearPolicyLoss.apply(h, w, b, spec, t)  # type: ignore[no-any-return,no-untyped-call]
@@ -158,18 +186,41 @@ def agreed(hidden: object, tokens: object, mask: object, o: LinearOptions) -> di
     return out | {k: o.get(k) for k in keys}
 
 
+class Ran(NamedTuple):
+    """A call's results and the per-token inputs in the layout they share (the grid with
+    ``cu_seqlens``), for the diagnostics; ``packed`` maps them back, or None."""
+
+    loss: Tensor
+    logp: Tensor
+    entropy: Tensor
+    old_logp: Tensor
+    advantages: Tensor
+    mask: Tensor
+    packed: Packed | None
+
+
 def run(
     hidden: object, weight: object, tokens: object, old_logp: Tensor, advantages: Tensor,
     mask: Tensor, o: LinearOptions, entropy: bool,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """``(loss, logp, entropy)`` of a checked call (``entropy`` asked or not)."""
-    group = o.get("vocab_group")
+) -> Ran:  # fmt: skip
+    """The loss, ``logp`` and ``entropy`` of a checked call (``entropy`` asked or not)."""
+    group, cu = o.get("vocab_group"), o.get("cu_seqlens")
     if group is not None:
         o = o | {"normalizer": tp_only_normalizer(group, o.get("normalizer"))}  # type: ignore[typeddict-item,assignment]
+    packed, given = None, hidden
+    if cu is not None:
+        packed, hidden, grid, o = unpack(hidden, tokens, old_logp, advantages, mask, o, cu)
+        tokens, old_logp, advantages, mask = grid
     args = (hidden, weight, tokens, old_logp, advantages, mask, o, entropy)
+    split = None
     if group is None:
-        return _run(*_prepare(*args), o, None)
-    (spec, h, w, b, t), split = split_vocab(
-        group, weight, agreed(hidden, tokens, mask, o), lambda v: _prepare(*args, vocab_total=v)
-    )
-    return _run(spec, h, w, b, t, o, split)
+        spec, h, w, b, t = _prepare(*args)
+    else:
+        (spec, h, w, b, t), split = split_vocab(
+            group, weight, agreed(hidden, tokens, mask, o), lambda v: _prepare(*args, vocab_total=v)
+        )
+    if packed is not None:
+        assert isinstance(given, Tensor)
+        h = given  # the packed rows (the grid stand-in took the checks)
+    loss, logp, ent = _run(spec, h, w, b, t, o, split, packed)
+    return Ran(loss, logp, ent, old_logp, advantages, mask, packed)

@@ -78,11 +78,12 @@ def keep_by_size(keep_logits: bool | None, tokens: int, vocab: int, dtype: torch
 
 def two_pass_spec(
     path: str, rows: RowMath, trunc: Truncation | None, keep_logits: bool | None,
-    h: Tensor, vocab: int, split: VocabSplit | None = None,
+    h: Tensor, vocab: int, split: VocabSplit | None = None, rows_run: int | None = None,
 ) -> TwoPassSpec:  # fmt: skip
     """The spec of a call resolved to ``path`` (``"two_pass"`` or ``"triton"``) with
-    ``h`` its ``[..., d]`` hidden states and ``vocab`` the rank's rows of the weight."""
-    tokens = h.numel() // max(h.shape[-1], 1)
+    ``h`` its ``[..., d]`` hidden states, ``vocab`` the rank's rows of the weight and
+    ``rows_run`` the rows the passes run on (None: all of ``h``'s)."""
+    tokens = h.numel() // max(h.shape[-1], 1) if rows_run is None else rows_run
     keep = keep_by_size(keep_logits, tokens, vocab, h.dtype)
     budget = BUDGET_ELEMENTS["cpu" if h.device.type == "cpu" else "other"]
     impl: RowImpl = "triton" if path == "triton" else "torch"

@@ -27,6 +27,7 @@ from dapo_ops.logprobs._linear_loss import (
     _objective_terms,
     reference_loss,
 )
+from dapo_ops.logprobs._packing import RowMap
 from dapo_ops.logprobs._two_pass import Pass1, TwoPassSpec, logits_into, pass1, pass2
 
 
@@ -78,28 +79,46 @@ def _pass2(
     return pass2(ctx.tp, h, w, b, ctx.tok, p1, a, bvec, need)
 
 
+def _scatter(x: Tensor, rm: RowMap | None, size: int) -> Tensor:
+    """Per-row values at their grid positions (0 elsewhere), or ``x`` without a map."""
+    return x if rm is None else x.new_zeros(size).index_copy(0, rm.dst, x)
+
+
+def _pick(x: Tensor, rm: RowMap | None) -> Tensor:
+    """Grid values at the rows that run (all of them without a map), flat."""
+    return x.reshape(-1) if rm is None else x.reshape(-1)[rm.dst]
+
+
 class TwoPassPolicyLoss(torch.autograd.Function):
-    """``(loss, logp, entropy)``: pass 1 and the engine in forward, pass 2 in backward."""
+    """``(loss, logp, entropy)``: pass 1 and the engine in forward, pass 2 in backward.
+    With a :class:`RowMap` the passes run on its rows only; the engine sees the grid."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, spec: LinearSpec,
-        t: LinearInputs, tp: TwoPassSpec,
+        t: LinearInputs, tp: TwoPassSpec, rm: RowMap | None,
     ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-        shape = t.valid.shape
-        h = _rows(hidden, t.valid)
-        tok = t.tokens.reshape(-1)
+        shape, size = t.valid.shape, t.valid.numel()
+        if rm is None:
+            h, tok = _rows(hidden, t.valid), t.tokens.reshape(-1)
+        else:
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            v = t.valid.reshape(-1)[rm.dst].unsqueeze(1)
+            h, tok = torch.where(v, flat[rm.src], 0.0), t.tokens.reshape(-1)[rm.dst]
         p1 = pass1(tp, h, weight, bias, tok)
+        logp, ent = (_scatter(x, rm, size).view(shape) for x in (p1.logp, p1.ent))
         with_grad = any(ctx.needs_input_grad[:3])
-        loss, a, g_ent = _engine(spec, p1.logp.view(shape), p1.ent.view(shape), t, with_grad)
-        ctx.spec, ctx.inputs, ctx.tp, ctx.p1, ctx.tok = spec, t, tp, p1, tok
-        a = p1.logp.new_zeros(shape) if a is None else a
+        loss, a, g_ent = _engine(spec, logp, ent, t, with_grad)
+        if rm is not None and rm.short is not None:  # the caller's count left tokens out
+            loss = torch.where(rm.short, torch.nan, loss)
+        ctx.spec, ctx.inputs, ctx.tp, ctx.p1, ctx.tok, ctx.rm = spec, t, tp, p1, tok, rm
+        a = logp.new_zeros(shape) if a is None else a
         saved = (a,) if g_ent is None else (a, g_ent)
         ctx.save_for_backward(hidden, weight, bias, h, *saved)
         # copies: an output held by ctx would close a cycle through the graph, which
         # Python's collector cannot see (the kept logits and the group would leak)
-        logp = p1.logp.view(shape).clone()
-        entropy = p1.ent.view(shape).clone() if spec.entropy else logp.new_zeros(0)
+        logp = logp.clone() if rm is None else logp
+        entropy = (ent.clone() if rm is None else ent) if spec.entropy else logp.new_zeros(0)
         ctx.mark_non_differentiable(logp, entropy)
         return loss, logp, entropy
 
@@ -109,15 +128,24 @@ class TwoPassPolicyLoss(torch.autograd.Function):
         need: tuple[bool, bool, bool] = tuple(bool(n) for n in ctx.needs_input_grad[:3])  # type: ignore[assignment]
         if torch.is_grad_enabled():  # create_graph=True: differentiate the definition
             no_split_twice(ctx.tp)
+            if ctx.rm is not None:
+                raise InputError(
+                    "create_graph=True (double backward) is not available with skip_padding "
+                    "or cu_seqlens: the definition it differentiates is the padded grid's"
+                )
             wanted = [x for x, n in zip((hidden, weight, bias), need, strict=True) if n]
             with torch.enable_grad():
                 loss = reference_loss(ctx.spec, hidden, weight, bias, ctx.inputs)
                 got = iter(torch.autograd.grad(loss, wanted, grad_out, create_graph=True))
-            return (*(next(got) if n else None for n in need), None, None, None)
+            return (*(next(got) if n else None for n in need), None, None, None, None)
         g = grad_out.to(a.dtype)
-        bvec = (rest[0] * g).reshape(-1) if rest else None
-        gh, gw, gb = _pass2(ctx, h, weight, bias, (a * g).reshape(-1), bvec, need)
-        return (None if gh is None else gh.view(hidden.shape), gw, gb, None, None, None)
+        rm: RowMap | None = ctx.rm
+        bvec = _pick(rest[0] * g, rm) if rest else None
+        gh, gw, gb = _pass2(ctx, h, weight, bias, _pick(a * g, rm), bvec, need)
+        if gh is not None and rm is not None:
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            gh = flat.new_zeros(flat.shape).index_copy(0, rm.src, gh)
+        return (None if gh is None else gh.view(hidden.shape), gw, gb, None, None, None, None)
 
 
 def reference_logp_entropy(

@@ -24,6 +24,7 @@ from dapo_ops.diagnostics.measures import PolicyDiagnostics, objective_diagnosti
 from dapo_ops.engine.kl import KLPenalty
 from dapo_ops.logprobs._backends import Backend
 from dapo_ops.logprobs._linear_call import DAPO_CLIP, LinearOptions, run
+from dapo_ops.logprobs._packing import from_grid
 from dapo_ops.objectives import Objective
 
 __all__ = [
@@ -56,7 +57,10 @@ def linear_policy_loss(
     weight: Float[Tensor, "vocab d"],
     tokens: Integer[Tensor, "batch seq"],
     old_logp: Float[Tensor, "batch seq"],
-    advantages: Float[Tensor, " batch"] | Float[Tensor, "batch 1"] | Float[Tensor, "batch seq"],
+    advantages: Float[Tensor, " batch"]
+    | Float[Tensor, "batch 1"]
+    | Float[Tensor, "batch seq"]
+    | Float[Tensor, " seqs"],
     mask: Bool[Tensor, "batch seq"] | Integer[Tensor, "batch seq"],
     *,
     objective: Objective = DAPO_CLIP,
@@ -73,6 +77,8 @@ def linear_policy_loss(
     backend: Backend = "auto",
     keep_logits: bool | None = None,
     vocab_group: object = None,
+    skip_padding: bool | int = False,
+    cu_seqlens: Integer[Tensor, " seqs_plus_1"] | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
     min_p: float | None = None,
@@ -175,9 +181,10 @@ def linear_policy_loss(
         "normalizer": normalizer, "max_len": max_len, "ref_logp": ref_logp, "kl": kl,
         "is_weights": is_weights, "entropy_coef": entropy_coef, "chunk_size": chunk_size,
         "backend": backend, "keep_logits": keep_logits, "vocab_group": vocab_group,
+        "skip_padding": skip_padding, "cu_seqlens": cu_seqlens,
         "top_k": top_k, "top_p": top_p, "min_p": min_p, "softcap": softcap,
     }  # fmt: skip
-    return run(hidden, weight, tokens, old_logp, advantages, mask, options, False)[0]
+    return run(hidden, weight, tokens, old_logp, advantages, mask, options, False).loss
 
 
 @checks_values
@@ -186,7 +193,10 @@ def linear_policy_loss_with_diagnostics(
     weight: Float[Tensor, "vocab d"],
     tokens: Integer[Tensor, "batch seq"],
     old_logp: Float[Tensor, "batch seq"],
-    advantages: Float[Tensor, " batch"] | Float[Tensor, "batch 1"] | Float[Tensor, "batch seq"],
+    advantages: Float[Tensor, " batch"]
+    | Float[Tensor, "batch 1"]
+    | Float[Tensor, "batch seq"]
+    | Float[Tensor, " seqs"],
     mask: Bool[Tensor, "batch seq"] | Integer[Tensor, "batch seq"],
     **options: Unpack[LinearOptions],
 ) -> tuple[Float[Tensor, ""], LinearDiagnostics]:
@@ -209,7 +219,10 @@ def linear_policy_loss_with_diagnostics(
         >>> tuple(d.logp.shape), bool(d.policy.entropy > 0)
         ((1, 3), True)
     """
-    loss, logp, entropy = run(hidden, weight, tokens, old_logp, advantages, mask, options, True)
+    r = run(hidden, weight, tokens, old_logp, advantages, mask, options, True)
     objective = options.get("objective", DAPO_CLIP)
-    policy = objective_diagnostics(objective, logp, old_logp, advantages, mask, entropy=entropy)
-    return loss, LinearDiagnostics(policy, logp.detach(), entropy.detach())
+    policy = objective_diagnostics(objective, r.logp, r.old_logp, r.advantages, r.mask, entropy=r.entropy)  # fmt: skip
+    logp, entropy = r.logp.detach(), r.entropy.detach()
+    if r.packed is not None:  # back to the packed [1, total] layout of the arguments
+        logp, entropy = from_grid(logp, r.packed), from_grid(entropy, r.packed)
+    return r.loss, LinearDiagnostics(policy, logp, entropy)
