@@ -176,3 +176,31 @@ def test_bad_cu_seqlens_name_the_argument() -> None:
         d.linear_policy_loss(p["hidden"], *args[1:], cu_seqlens=cu)
     with pytest.raises(d.InputError, match=r"old_logp must have shape \[1, total\]"):
         d.linear_policy_loss(args[0], args[1], args[2], p["old"], *args[4:], cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["keep", "recompute"])
+@pytest.mark.parametrize(
+    "opts",
+    [{"kind": "jsd", "mode": "seq_mean_token_mean"}, {"topk": 3, "topk_tail": "bucket"},
+     {"kind": "reverse_kl", "topk": 2, "topk_support": "union", "topk_tail": "bucket", "loss_clamp": 0.5}],
+    ids=["jsd", "topk-bucket", "union"],
+)  # fmt: skip
+@pytest.mark.parametrize(
+    "lengths", [FRACTIONS["half"], FRACTIONS["all padding"]], ids=["half", "all"]
+)
+def test_skip_padding_in_distillation(lengths: list[int], opts: dict[str, Any], keep: bool) -> None:
+    p = problem(lengths)
+    teacher = 2 * torch.randn(B, S, V, generator=torch.Generator().manual_seed(3), dtype=F64)
+
+    def call(**extra: Any) -> list[Tensor]:
+        leaves = [p[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")]
+        loss, diag = d.linear_distill_loss_with_diagnostics(
+            leaves[0], leaves[1], teacher, p["mask"], bias=leaves[2], backend="two_pass",
+            keep_logits=keep, **opts, **extra,
+        )  # fmt: skip
+        return [loss.detach(), diag.per_token, *torch.autograd.grad(loss, leaves)]
+
+    want = call()
+    n = int(p["mask"].sum())
+    for skip in (True, n):
+        assert_same(call(skip_padding=skip), want, f"skip_padding={skip}")

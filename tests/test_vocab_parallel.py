@@ -95,6 +95,45 @@ def call_fused(p: dict[str, Tensor], w: Tensor, b: Tensor, keep: bool, **extra: 
     return out.logp.detach(), out.entropy.detach(), gh, gw, gb
 
 
+#: Every distillation kind: the whole vocabulary (the teacher's logits split alike), the
+#: top-k paths (global ids), tails and supports.
+DISTILL = [
+    {"kind": "forward_kl", "mode": "seq_mean_token_mean"},
+    {"kind": "reverse_kl", "temperature": 0.8, "loss_clamp": 0.9},
+    {"kind": "jsd", "beta": 0.3, "softcap": 3.0, "keep_logits": False},
+    {"teacher_ids": True, "log_prob_min_clamp": -4.0},
+    {"teacher_ids": True, "topk_tail": "bucket", "kind": "reverse_kl"},
+    {"teacher_ids": True, "topk_tail": "renormalize", "kind": "jsd", "keep_logits": False},
+    {"topk": 3, "topk_tail": "bucket"},
+    {"topk": 4, "topk_support": "student", "topk_tail": "renormalize", "kind": "reverse_kl"},
+    {"topk": 2, "topk_support": "union", "topk_tail": "bucket", "kind": "jsd"},
+]
+
+
+def teacher_of(p: dict[str, Tensor]) -> dict[str, Tensor]:
+    g = torch.Generator().manual_seed(5)
+    logits = 2 * torch.randn(B, S, V, generator=g, dtype=F64)
+    ids = torch.stack([torch.randperm(V, generator=g)[:4] for _ in range(B * S)]).view(B, S, 4)
+    topk_logp = torch.log_softmax(logits, -1).gather(-1, ids)
+    return {"logits": logits, "ids": ids, "topk_logp": topk_logp}
+
+
+def call_distill(p: dict[str, Tensor], w: Tensor, b: Tensor, opts: dict[str, Any],
+                 cols: slice, **extra: Any) -> tuple[Tensor, ...]:  # fmt: skip
+    t = teacher_of(p)
+    o = dict(opts)
+    if o.pop("teacher_ids", None):
+        teacher, o["teacher_ids"] = t["topk_logp"], t["ids"]
+    else:
+        teacher = t["logits"][..., cols]
+    h = p["hidden"].clone().requires_grad_(True)
+    loss, diag = d.linear_distill_loss_with_diagnostics(
+        h, w, teacher, p["mask"], bias=b, backend="two_pass", **o, **extra
+    )
+    gh, gw, gb = torch.autograd.grad(loss, [h, w, b])
+    return loss.detach(), diag.per_token, gh, gw, gb
+
+
 def leaves(p: dict[str, Tensor], sl: slice) -> tuple[Tensor, Tensor]:
     return p["weight"][sl].clone().requires_grad_(True), p["bias"][sl].clone().requires_grad_(True)
 
@@ -157,6 +196,9 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     for keep in (True, False):
         w, b = leaves(p, sl)
         out[f"fused-keep={keep}"] = call_fused(p, w, b, keep, vocab_group=group)
+    for i, opts in enumerate(DISTILL):
+        w, b = leaves(p, sl)
+        out[f"distill-{i}"] = call_distill(p, w, b, opts, sl, vocab_group=group)
     out["errors"] = _errors(p, rank, sl, group)
     w, b = leaves(p, sl)
     out["after the errors"] = call_fused(p, w, b, True, vocab_group=group)
@@ -196,6 +238,11 @@ def test_split_vocabulary_equals_one_process(world: int, tmp_path: Path) -> None
         got = _gathered(results, f"fused-keep={keep}", 2)
         for i, (x, y) in enumerate(zip(got, want, strict=True)):
             _close(x, y, f"fused keep={keep} output {i}")
+    for i, opts in enumerate(DISTILL):
+        want = call_distill(p, full_w, full_b, opts, slice(None))
+        got = _gathered(results, f"distill-{i}", 2)
+        for j, (x, y) in enumerate(zip(got, want, strict=True)):
+            _close(x, y, f"distill {opts} output {j}")
     errors = [r["errors"] for r in results]
     for name in errors[0]:
         messages = [e[name] for e in errors]

@@ -1,25 +1,20 @@
 r"""Logit distillation on the two-pass design (``linear_distill_loss(backend="two_pass")``).
 
 Private. Pass 1 (:func:`pass1`) walks blocks of whole rows of the student's logits
-(:func:`dapo_ops.logprobs._two_pass.blocks1`: kept whole, or a block at a time) and, with
-the chunked path's own formulas (:func:`dapo_ops.logprobs._distill_terms.chunk_terms`),
-gives each token's loss, its weight in the total (the aggregation's times
-``is_weights``; 0 where ``loss_clamp`` cut the gradient) and what pass 2 needs to form
-the gradient w.r.t. the logits from one entry at a time:
-
-- whole-vocabulary kinds (``docs/distillation.md``): the student's and the teacher's
-  log-sum-exp and one number per row, ``sum_v p_t`` (forward KL), the loss ``l`` (reverse
-  KL) or ``KL(s||m)`` (JSD), so that ``G`` is an entrywise function of ``(s, t)``:
-  ``p_s sum p_t - p_t``, ``p_s (s - t - l)``, ``(1 - beta) p_s (s - m - KL(s||m))``;
-- over a support of ids (top-k, with or without a tail): every such ``G`` is ``p_s
-  alpha`` off the ids and some value at each id, so pass 1 keeps ``alpha`` (the ratio of
-  ``G``'s and ``p_s``'s sums off the ids: both of one sign, no cancellation) and the
-  ids' values.
+(:func:`dapo_ops.logprobs._two_pass.blocks1`: kept whole, or a block at a time) and
+:func:`dapo_ops.logprobs._distill_rows.block_terms` gives each token's loss, its weight in
+the total (the aggregation's times ``is_weights``; 0 where ``loss_clamp`` cut the
+gradient) and what pass 2 needs to form the gradient w.r.t. the logits one entry at a
+time: for the whole-vocabulary kinds the two log-sum-exps and one number per row, so
+that ``G`` is an entrywise function of ``(s, t)`` (``p_s sum p_t - p_t``, ``p_s (s - t -
+l)``, ``(1 - beta) p_s (s - m - KL(s||m))``, ``docs/distillation.md``); over a support of
+ids, ``alpha`` (``G = p_s alpha`` off the ids) and ``G`` at the ids.
 
 Pass 2 (:func:`pass2`, through :func:`dapo_ops.logprobs._two_pass.products2`) forms
 ``G`` over the kept logits or a vocabulary slice at a time, times each row's weight / T
 (and the cap's ``1 - tanh^2``), then ``dh``, ``dW``, ``db`` by products. The row work is
-ATen ops (no Triton kernel of its own yet).
+ATen ops (no Triton kernel of its own yet). With a split vocabulary (``vocab_group``)
+the teacher's logits are split alike and its top-k ids are global; pass 2 is local.
 """
 
 from __future__ import annotations
@@ -30,19 +25,19 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from dapo_ops._core._validate import InputError
 from dapo_ops.kernels.rows import compute_dtype
-from dapo_ops.logprobs._distill_support import support_ids
-from dapo_ops.logprobs._distill_terms import (
-    DistillInputs,
-    DistillSpec,
-    _scale,
-    _teacher_rows,
-    chunk_terms,
-    reference_loss,
-    teacher_logp,
-)
+from dapo_ops.logprobs._distill_rows import BlockTerms, block_terms
+from dapo_ops.logprobs._distill_terms import DistillInputs, DistillSpec, _scale, reference_loss
+from dapo_ops.logprobs._packing import RowMap
 from dapo_ops.logprobs._softmax_blocks import LOGP_FLOOR
-from dapo_ops.logprobs._two_pass import TwoPassSpec, blocks1, logits_into, products2
+from dapo_ops.logprobs._two_pass import (
+    TORCH_ROWS_ELEMENTS,
+    TwoPassSpec,
+    blocks1,
+    logits_into,
+    products2,
+)
 from dapo_ops.logprobs._two_pass_loss import no_split_twice
 
 
@@ -70,104 +65,65 @@ def scaled(z: Tensor, spec: DistillSpec, cdt: torch.dtype) -> tuple[Tensor, Tens
     return x / spec.temperature, t
 
 
-def _row_numbers(spec: DistillSpec, lp: Tensor, tl: Tensor) -> tuple[Tensor, Tensor]:
-    """``(l, row)``: the unclamped loss and the kind's number per row (whole vocabulary)."""
-    s, t = lp.clamp(min=LOGP_FLOOR), tl.clamp(min=LOGP_FLOOR)
-    ps = lp.exp()
-    if spec.kind == "forward_kl":
-        pt = t.exp()
-        return (pt * (t - s)).sum(dim=1), pt.sum(dim=1)
-    if spec.kind == "reverse_kl":
-        loss = (ps * (s - t)).sum(dim=1)
-        return loss, loss
-    b = spec.beta
-    m = torch.logaddexp(s + math.log1p(-b), t + math.log(b))
-    ks = (ps * (s - m)).sum(dim=1)
-    return b * (t.exp() * (t - m)).sum(dim=1) + (1 - b) * ks, ks
-
-
-def _support_numbers(lp: Tensor, g: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
-    """``(alpha, G at the ids)`` of a support path's dense ``G``."""
-    off = torch.ones_like(lp, dtype=torch.bool).scatter(1, ids, False)
-    gsum = torch.where(off, g, 0.0).sum(dim=1)
-    psum = torch.where(off, lp.exp(), 0.0).sum(dim=1)
-    alpha = torch.where(psum > 0, gsum / torch.where(psum > 0, psum, 1.0), 0.0)
-    return alpha, g.gather(1, ids)
-
-
 def pass1(
-    spec: DistillSpec, tp: TwoPassSpec, h: Tensor, w: Tensor, b: Tensor | None, t: DistillInputs
-) -> DistillPass1:
+    spec: DistillSpec, tp: TwoPassSpec, h: Tensor, w: Tensor, b: Tensor | None,
+    t: DistillInputs, grid_rows: Tensor,
+) -> DistillPass1:  # fmt: skip
+    """Pass 1 over the rows of ``h`` (``grid_rows``: their positions in the flattened
+    ``[batch, seq]`` grid); with a split, every rank walks the same blocks of rows."""
     cdt = compute_dtype(h.dtype)
-    weight = _scale(spec, t, cdt)
-    valid = t.valid.reshape(-1)
-    full = t.ids is None and spec.topk is None
-    out: dict[str, list[Tensor]] = {}
-
-    def keep(name: str, x: Tensor | None) -> None:
-        if x is not None:
-            out.setdefault(name, []).append(x)
+    weight = _scale(spec, t, cdt)[grid_rows]
+    valid = t.valid.reshape(-1)[grid_rows]
+    parts: list[BlockTerms] = []
 
     def visit(z: Tensor, rows: slice) -> None:
         x, _ = scaled(z, spec, cdt)
-        lp = torch.log_softmax(x, dim=1)
-        keep("lse", torch.logsumexp(x, dim=1))
-        teacher, ids = _teacher_rows(t, cdt, rows.start, rows.stop)
-        tl, ids = teacher_logp(spec, teacher, ids, False)
-        if spec.support != "teacher":
-            tl, ids = support_ids(spec.support, spec.topk or 1, lp, tl)
-        v = valid[rows]
-        if full:
-            loss, row = _row_numbers(spec, lp, tl)
-            keep("lse_t", torch.logsumexp(teacher / spec.temperature, dim=1))
-            keep("row", row)
-            c = spec.loss_clamp
-            cut = None if c is None else (loss < -c) | (loss > c)
-            loss = loss if c is None else loss.clamp(-c, c)
-            keep("cut", cut)
-        else:
-            assert ids is not None
-            terms = chunk_terms(spec, lp, tl, ids, True, None)
-            assert terms.grad is not None
-            loss = terms.loss
-            alpha, at_ids = _support_numbers(lp, terms.grad, ids)
-            keep("ids", ids)
-            keep("alpha", alpha)
-            keep("at_ids", at_ids)
-            keep("smass", terms.student_mass)
-            keep("tmass", terms.teacher_mass)
-        keep("loss", torch.where(v, loss, 0.0))
+        parts.append(block_terms(spec, x, t, grid_rows[rows], tp.split))
 
-    logits = blocks1(tp, h, w, b, visit)
+    logits = blocks1(tp, h, w, b, visit, uniform_rows(tp, w.shape[0]))
 
-    def cat(name: str) -> Tensor | None:
-        return torch.cat(out[name]) if name in out else None
+    def cat(i: int) -> Tensor | None:
+        got: list[Tensor] = []
+        for part in parts:
+            x = part[i]
+            if x is not None:
+                got.append(x)
+        return torch.cat(got) if got else None
 
     empty = h.new_zeros(0, dtype=cdt)
-    per_token = cat("loss")
-    per_token = empty if per_token is None else per_token
+    loss = cat(0)
+    per_token = empty if loss is None else torch.where(valid, loss, 0.0)
     total = (weight * per_token).sum()
-    cut = cat("cut")
+    cut = cat(1)
     if cut is not None:  # a clipped loss has no gradient
         weight = torch.where(cut, 0.0, weight)
-    lse = cat("lse")
+    lse = cat(2)
     return DistillPass1(
-        total, per_token, cat("smass"), cat("tmass"),
-        empty if lse is None else lse, weight, cat("lse_t"), cat("row"), cat("ids"),
-        cat("alpha"), cat("at_ids"), logits,
+        total, per_token, cat(8), cat(9), empty if lse is None else lse, weight, cat(3),
+        cat(4), cat(5), cat(6), cat(7), logits,
     )  # fmt: skip
 
 
+def uniform_rows(tp: TwoPassSpec, width: int) -> int | None:
+    """Rows per block alike on every rank of a split (its collectives run per block)."""
+    if tp.split is None:
+        return None
+    return max(1, min(tp.budget, TORCH_ROWS_ELEMENTS) // max(tp.split.widest, 1))
+
+
 def _entries(
-    spec: DistillSpec, p1: DistillPass1, t: DistillInputs, s: Tensor, rows: slice, col0: int
-) -> Tensor:
-    """``G`` w.r.t. ``x`` of a block from the student's log-probs ``s`` there (unfloored)."""
+    spec: DistillSpec, p1: DistillPass1, t: DistillInputs, s: Tensor, rows: slice,
+    grid_rows: Tensor, col0: int, id0: int,
+) -> Tensor:  # fmt: skip
+    """``G`` w.r.t. ``x`` of a block from the student's log-probs ``s`` there (unfloored):
+    ``rows`` of the run, at ``grid_rows``; columns from the rank's ``col0``, global id
+    ``id0 + col0``."""
     ps = s.exp()
     if p1.ids is not None:
         assert p1.alpha is not None and p1.at_ids is not None
         g = ps * p1.alpha[rows].unsqueeze(1)
         width = s.shape[1]
-        rel = p1.ids[rows] - col0
+        rel = p1.ids[rows] - (id0 + col0)
         inside = (rel >= 0) & (rel < width)
         idx = torch.where(inside, rel, width)
         pad = g.new_zeros(g.shape[0], width + 1)
@@ -176,8 +132,8 @@ def _entries(
         return torch.where(hit[:, :width], vals[:, :width], g)
     assert p1.lse_t is not None and p1.row is not None
     k = t.teacher.shape[-1]
-    v = t.valid.reshape(-1, 1)[rows]
-    raw = t.teacher.reshape(-1, k)[rows, col0 : col0 + s.shape[1]]
+    v = t.valid.reshape(-1, 1)[grid_rows]
+    raw = t.teacher.reshape(-1, k)[grid_rows, col0 : col0 + s.shape[1]]
     tl = torch.where(v, raw.to(s.dtype), 0.0) / spec.temperature - p1.lse_t[rows].unsqueeze(1)
     sf, tf = s.clamp(min=LOGP_FLOOR), tl.clamp(min=LOGP_FLOOR)
     row = p1.row[rows].unsqueeze(1)
@@ -192,16 +148,19 @@ def _entries(
 
 def pass2(
     spec: DistillSpec, tp: TwoPassSpec, h: Tensor, w: Tensor, b: Tensor | None,
-    t: DistillInputs, p1: DistillPass1, scale: Tensor, need: tuple[bool, bool, bool],
+    t: DistillInputs, p1: DistillPass1, grid_rows: Tensor, scale: Tensor,
+    need: tuple[bool, bool, bool],
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:  # fmt: skip
     """``(dh, dW, db)`` of ``scale * total`` (``scale`` the incoming gradient, 0-dim)."""
     cdt = compute_dtype(h.dtype)
     coef = p1.weight * scale.to(cdt) / spec.temperature
-    valid = t.valid.reshape(-1, 1)
+    valid = t.valid.reshape(-1, 1)[grid_rows]
+    id0 = 0 if tp.split is None else tp.split.start
 
     def row_grad(z: Tensor, rows: slice, col0: int) -> None:
         x, tanh = scaled(z, spec, cdt)
-        g = _entries(spec, p1, t, x - p1.lse[rows].unsqueeze(1), rows, col0)
+        s = x - p1.lse[rows].unsqueeze(1)
+        g = _entries(spec, p1, t, s, rows, grid_rows[rows], col0, id0)
         g = g * coef[rows].unsqueeze(1)
         if tanh is not None:
             g = g * (1.0 - tanh * tanh)
@@ -212,27 +171,47 @@ def pass2(
 
 class TwoPassDistill(torch.autograd.Function):
     """``(loss, per-token loss, student mass, teacher mass)``: pass 1 in forward, pass 2 in
-    backward; ``create_graph=True`` differentiates the definition."""
+    backward; ``create_graph=True`` differentiates the definition. With a
+    :class:`RowMap` the passes run on its rows; the per-token results fill the grid."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, spec: DistillSpec,
-        t: DistillInputs, tp: TwoPassSpec,
+        t: DistillInputs, tp: TwoPassSpec, rm: RowMap | None,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-        valid = t.valid.reshape(-1, 1)
-        h = torch.where(valid, hidden.reshape(-1, hidden.shape[-1]), 0.0)
-        p1 = pass1(spec, tp, h, weight, bias, t)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        size, shape = t.valid.numel(), t.valid.shape
+        grid_rows = torch.arange(size, device=flat.device) if rm is None else rm.dst
+        src = flat if rm is None else flat[rm.src]
+        h = torch.where(t.valid.reshape(-1)[grid_rows].unsqueeze(1), src, 0.0)
+        p1 = pass1(spec, tp, h, weight, bias, t, grid_rows)
+        total = p1.total
+        if rm is not None and rm.short is not None:  # the caller's count left tokens out
+            total = torch.where(rm.short, torch.nan, total)
         # ctx keeps what pass 2 needs, never an output: that would close a cycle through
         # the graph, which Python's collector cannot see (the kept logits would leak)
         none = p1.lse.new_zeros(0)
         kept = p1._replace(total=none, per_token=none, smass=None, tmass=None)
-        ctx.spec, ctx.inputs, ctx.tp, ctx.p1 = spec, t, tp, kept
+        ctx.spec, ctx.inputs, ctx.tp, ctx.p1, ctx.rm, ctx.grid_rows = (
+            spec,
+            t,
+            tp,
+            kept,
+            rm,
+            grid_rows,
+        )
         ctx.save_for_backward(hidden, weight, bias, h)
-        shape = t.valid.shape
-        extra = [p1.per_token.new_zeros(0) if x is None else x.view(shape) for x in (p1.smass, p1.tmass)]  # fmt: skip
-        per_token = p1.per_token.view(shape)
+
+        def grid(x: Tensor) -> Tensor:
+            if rm is None:
+                return x.view(shape).clone()
+            return x.new_zeros(size).index_copy(0, grid_rows, x).view(shape)
+
+        empty = p1.per_token.new_zeros(0)
+        extra = [empty if x is None else grid(x) for x in (p1.smass, p1.tmass)]
+        per_token = grid(p1.per_token)
         ctx.mark_non_differentiable(per_token, *extra)
-        return p1.total, per_token, extra[0], extra[1]
+        return total.clone(), per_token, extra[0], extra[1]
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor, *_: Any) -> tuple[Tensor | None, ...]:  # type: ignore[override]
@@ -240,14 +219,22 @@ class TwoPassDistill(torch.autograd.Function):
         need: tuple[bool, bool, bool] = tuple(bool(n) for n in ctx.needs_input_grad[:3])  # type: ignore[assignment]
         if torch.is_grad_enabled():  # create_graph=True: differentiate the definition
             no_split_twice(ctx.tp)
+            if ctx.rm is not None:
+                raise InputError(
+                    "create_graph=True (double backward) is not available with skip_padding: "
+                    "the definition it differentiates is the padded grid's"
+                )
             wanted = [x for x, n in zip((hidden, weight, bias), need, strict=True) if n]
             with torch.enable_grad():
                 loss = reference_loss(ctx.spec, hidden, weight, bias, ctx.inputs)
                 got = iter(torch.autograd.grad(loss, wanted, grad_out, create_graph=True))
-            return (*(next(got) if n else None for n in need), None, None, None)
+            return (*(next(got) if n else None for n in need), None, None, None, None)
         p1: DistillPass1 = ctx.p1
         if ctx.tp.keep and p1.logits is None:  # a second backward: form the logits again
             p1 = p1._replace(logits=logits_into(h.new_empty(h.shape[0], weight.shape[0]), h, weight, bias))  # fmt: skip
         ctx.p1 = p1._replace(logits=None)
-        gh, gw, gb = pass2(ctx.spec, ctx.tp, h, weight, bias, ctx.inputs, p1, grad_out, need)
-        return (None if gh is None else gh.view(hidden.shape), gw, gb, None, None, None)
+        gh, gw, gb = pass2(ctx.spec, ctx.tp, h, weight, bias, ctx.inputs, p1, ctx.grid_rows, grad_out, need)  # fmt: skip
+        if gh is not None and ctx.rm is not None:
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            gh = flat.new_zeros(flat.shape).index_copy(0, ctx.rm.src, gh)
+        return (None if gh is None else gh.view(hidden.shape), gw, gb, None, None, None, None)

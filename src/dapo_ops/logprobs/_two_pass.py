@@ -143,23 +143,31 @@ RowVisit = Callable[[Tensor, slice], None]
 
 
 def blocks1(
-    spec: TwoPassSpec, h: Tensor, w: Tensor, b: Tensor | None, visit: RowVisit
-) -> Tensor | None:
+    spec: TwoPassSpec, h: Tensor, w: Tensor, b: Tensor | None, visit: RowVisit,
+    rows_per_block: int | None = None,
+) -> Tensor | None:  # fmt: skip
     """Pass 1's products: every row's logits handed to ``visit`` a block of whole rows at
-    a time; the ``[N, V]`` logits returned when kept, else None."""
+    a time (``rows_per_block`` of them when given: the same blocks on every rank); the
+    ``[N, V]`` logits returned when kept, else None."""
     n, vocab = h.shape[0], w.shape[0]
+
+    def pieces(s: int, e: int) -> list[tuple[int, int]]:
+        if rows_per_block is None:
+            return [(s + a, s + c) for a, c in _row_pieces(spec, e - s, vocab)]
+        return [(a, min(a + rows_per_block, e)) for a in range(s, e, rows_per_block)]
+
     if spec.keep:
         z = logits_into(h.new_empty(n, vocab), h, w, b)
-        for s, e in _row_pieces(spec, n, vocab):
+        for s, e in pieces(0, n):
             visit(z[s:e], slice(s, e))
         return z
-    rows = max(1, spec.budget // vocab)
+    rows = max(1, spec.budget // vocab) if rows_per_block is None else rows_per_block
     buf = h.new_empty(min(rows, n) * vocab)
     for s in range(0, n, rows):
         e = min(s + rows, n)
         z = logits_into(_view(buf, e - s, vocab), h[s:e], w, b)
-        for s2, e2 in _row_pieces(spec, e - s, vocab):
-            visit(z[s2:e2], slice(s + s2, s + e2))
+        for s2, e2 in pieces(s, e):
+            visit(z[s2 - s : e2 - s], slice(s2, e2))
     return None
 
 

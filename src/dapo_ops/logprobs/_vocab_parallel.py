@@ -48,6 +48,7 @@ class VocabSplit:
     size: int
     vocab: int
     rank: int
+    widest: int  # the largest slice (blocks sized by it are alike on every rank)
 
 
 def check_group(group: object) -> Any:
@@ -122,7 +123,7 @@ def split_vocab(
     if errors:
         raise InputError("; ".join(errors))
     assert result is not None
-    return result, VocabSplit(g, sum(sizes[:rank]), size, sum(sizes), rank)
+    return result, VocabSplit(g, sum(sizes[:rank]), size, sum(sizes), rank, max(sizes))
 
 
 def merge_stats(pieces: Tensor, split: VocabSplit) -> Tensor:
@@ -147,3 +148,21 @@ def all_sum(x: Tensor, split: VocabSplit | None) -> Tensor:
 
         dist.all_reduce(x, group=split.group)
     return x
+
+
+def all_max(x: Tensor, split: VocabSplit | None) -> Tensor:
+    """``x``'s entrywise maximum over the ranks (in place), or ``x`` without a split."""
+    if split is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=split.group)
+    return x
+
+
+def gather_cols(x: Tensor, split: VocabSplit) -> Tensor:
+    """Every rank's ``[n, k]`` side by side, ``[n, world * k]`` in rank order."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(split.group))]
+    dist.all_gather(parts, x.contiguous(), group=split.group)
+    return torch.cat(parts, dim=1)

@@ -10,72 +10,24 @@ teacher's logits and verl 0.9.1's ``forward_kl_topk`` against its top-k log-prob
 
 from __future__ import annotations
 
-import math
-from typing import Literal, NamedTuple, TypedDict
+from typing import NamedTuple
 
-import torch
 from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 from typing_extensions import Unpack
 
 from dapo_ops._core._checked import checks_values
-from dapo_ops._core._rules import AGGREGATION_MODES, AggregationMode, Normalizer
-from dapo_ops._core._validate import (
-    InputError,
-    as_bool_mask,
-    check_float,
-    check_no_grad,
-    check_option,
-    check_same_device,
-    check_tensor,
-    shape_str,
+from dapo_ops._core._rules import AggregationMode, Normalizer
+from dapo_ops.logprobs._backends import Backend
+from dapo_ops.logprobs._distill_call import (
+    DistillKind,
+    DistillOptions,
+    TopkSupport,
+    TopkTail,
+    run,
 )
-from dapo_ops.engine.aggregation import check_max_len, check_normalizer
-from dapo_ops.kernels.rows import RowMath
-from dapo_ops.logprobs._backends import Backend, resolve
-from dapo_ops.logprobs._distill_checks import (
-    _number,
-    check_ids,
-    check_is_weights,
-    check_support,
-    check_tail,
-)
-from dapo_ops.logprobs._distill_terms import DistillInputs, DistillSpec, LinearDistill, forward_pass
-from dapo_ops.logprobs._distill_two_pass import TwoPassDistill
-from dapo_ops.logprobs._fused_linear import DEFAULT_FUSED_CHUNK_ELEMENTS
-from dapo_ops.logprobs._logprob_checks import auto_chunk, check_options, check_projection
-from dapo_ops.logprobs._softcap import check_softcap
-from dapo_ops.logprobs._two_pass import two_pass_spec
 
 __all__ = ["DistillDiagnostics", "linear_distill_loss", "linear_distill_loss_with_diagnostics"]
-
-DistillKind = Literal["forward_kl", "reverse_kl", "jsd"]
-DISTILL_KINDS: tuple[str, ...] = ("forward_kl", "reverse_kl", "jsd")
-TopkTail = Literal["none", "bucket", "renormalize"]
-TopkSupport = Literal["teacher", "student", "union"]
-
-
-class DistillOptions(TypedDict, total=False):
-    """The keyword options of :func:`linear_distill_loss`."""
-
-    teacher_ids: Tensor | None
-    kind: DistillKind
-    beta: float | None
-    temperature: float
-    topk: int | None
-    log_prob_min_clamp: float | None
-    loss_clamp: float | None
-    bias: Tensor | None
-    mode: AggregationMode
-    normalizer: Normalizer
-    max_len: int | None
-    chunk_size: int | None
-    softcap: float | None
-    is_weights: Tensor | None
-    topk_tail: TopkTail
-    topk_support: TopkSupport
-    backend: Backend
-    keep_logits: bool | None
 
 
 class DistillDiagnostics(NamedTuple):
@@ -90,99 +42,6 @@ class DistillDiagnostics(NamedTuple):
     per_token: Float[Tensor, "batch seq"]
     student_mass: Float[Tensor, "batch seq"] | None
     teacher_mass: Float[Tensor, "batch seq"] | None
-
-
-def _prepare(
-    hidden: object, weight: object, teacher: object, mask: object, o: DistillOptions
-) -> tuple[DistillSpec, Tensor, Tensor, Tensor | None, DistillInputs]:
-    """Check every argument (metadata only, plus the teacher ids' range)."""
-    h, w, b = check_projection(hidden, weight, o.get("bias"), "[batch, seq, d]")
-    check_float("teacher", teacher)  # type: ignore[arg-type]
-    assert isinstance(teacher, Tensor)
-    check_tensor("mask", mask)
-    assert isinstance(mask, Tensor)
-    valid = as_bool_mask("mask", mask, "hidden[..., 0]", h[..., 0])
-    for name, t in (("teacher", teacher), ("mask", valid)):
-        check_same_device(name, t, "hidden", h)
-    check_no_grad("teacher", teacher)
-    kind, beta = o.get("kind", "forward_kl"), o.get("beta")
-    check_option("kind", kind, DISTILL_KINDS)
-    if kind != "jsd" and beta is not None:
-        raise InputError(f"beta is the JSD's mixture weight: kind='jsd' only; got beta={beta!r} with kind={kind!r}")  # fmt: skip
-    beta = 0.5 if beta is None else beta
-    _number("beta", beta, isinstance(beta, (int, float)) and 0 < beta < 1,
-            "a number in (0, 1) (TRL's beta=0 is kind='forward_kl', beta=1 kind='reverse_kl')")  # fmt: skip
-    temperature, chunk_size = o.get("temperature", 1.0), o.get("chunk_size")
-    check_options(temperature, chunk_size)
-    mode, max_len = o.get("mode", "token_mean"), o.get("max_len")
-    check_option("mode", mode, AGGREGATION_MODES)
-    check_max_len(max_len)
-    vocab, lead = w.shape[0], h.shape[:2]
-    ids, topk = o.get("teacher_ids"), o.get("topk")
-    if topk is not None:
-        _number("topk", topk, isinstance(topk, int) and 1 <= topk <= vocab, f"an int in [1, vocab={vocab}] or None")  # fmt: skip
-    if teacher.shape[:2] != lead or teacher.ndim != 3:
-        want = "[batch, seq, k] (top-k log-probs)" if ids is not None else "[batch, seq, vocab]"
-        raise InputError(f"teacher must have shape {want} with [batch, seq] = {list(lead)}, got {shape_str(teacher)}")  # fmt: skip
-    if ids is None and teacher.shape[-1] != vocab:
-        raise InputError(
-            f"teacher (the teacher's logits) must have vocab = weight's rows = {vocab} in its "
-            f"last dim, got {shape_str(teacher)}; top-k log-probs go with teacher_ids"
-        )
-    on_topk = ids is not None or topk is not None
-    clamp, loss_clamp = o.get("log_prob_min_clamp"), o.get("loss_clamp")
-    tail = check_tail(o.get("topk_tail", "none"), on_topk, kind, clamp)
-    if ids is not None:
-        ids = check_ids(ids, teacher, valid, vocab, tail != "none")
-        if topk is not None and topk != teacher.shape[-1]:
-            raise InputError(f"topk must be None or teacher's k = {teacher.shape[-1]} with teacher_ids, got {topk}")  # fmt: skip
-    support = check_support(o.get("topk_support", "teacher"), tail, ids is not None, topk)
-    if clamp is not None:
-        _number("log_prob_min_clamp", clamp, isinstance(clamp, (int, float)) and math.isfinite(clamp) and on_topk,
-                "a finite number (or None) on the top-k path (teacher_ids or topk)")  # fmt: skip
-    if loss_clamp is not None:
-        _number("loss_clamp", loss_clamp, isinstance(loss_clamp, (int, float)) and 0 < loss_clamp < math.inf,
-                "a finite number > 0 or None")  # fmt: skip
-    cap = check_softcap(o.get("softcap"))
-    given = check_normalizer(o.get("normalizer"))
-    den = None
-    if given is not None:
-        if isinstance(given, Tensor):
-            check_no_grad("normalizer", given)
-        cdt = torch.float64 if h.dtype == torch.float64 else torch.float32
-        den = torch.as_tensor(given, dtype=cdt, device=h.device)
-    chunk = auto_chunk(chunk_size, vocab, h.device, DEFAULT_FUSED_CHUNK_ELEMENTS)
-    spec = DistillSpec(
-        kind, float(beta), float(temperature), topk,
-        None if clamp is None else float(clamp), None if loss_clamp is None else float(loss_clamp),
-        mode, max_len, chunk, cap, tail, support,
-    )  # fmt: skip
-    isw = check_is_weights(o.get("is_weights"), valid, h)
-    return spec, h, w, b, DistillInputs(teacher.detach(), ids, valid, den, isw)
-
-
-def _run(
-    spec: DistillSpec, h: Tensor, w: Tensor, b: Tensor | None, t: DistillInputs,
-    o: DistillOptions,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    backend, keep = o.get("backend", "auto"), o.get("keep_logits")
-    if backend == "triton":
-        raise InputError(
-            "backend='triton': linear_distill_loss has no Triton row kernels; "
-            "backend='two_pass' runs the same two-pass design with ATen row functions"
-        )
-    if resolve(backend, h.device, o.get("chunk_size"), keep) != "chunked":
-        tp = two_pass_spec(
-            "two_pass", RowMath(spec.temperature, spec.softcap), None, keep, h, w.shape[0]
-        )
-        return TwoPassDistill.apply(h, w, b, spec, t, tp)  # type: ignore[no-any-return,no-untyped-call]
-    need = tuple(torch.is_grad_enabled() and x is not None and x.requires_grad for x in (h, w, b))
-    if any(need):
-        return LinearDistill.apply(h, w, b, spec, t)  # type: ignore[no-any-return,no-untyped-call]
-    loss, terms, _ = forward_pass(spec, h, w, b, t, (False, False, False))
-    empty = terms.loss.new_zeros(0)
-    sm, tm = terms.student_mass, terms.teacher_mass
-    return loss, terms.loss, empty if sm is None else sm, empty if tm is None else tm
 
 
 @checks_values
@@ -210,6 +69,8 @@ def linear_distill_loss(
     topk_support: TopkSupport = "teacher",
     backend: Backend = "auto",
     keep_logits: bool | None = None,
+    vocab_group: object = None,
+    skip_padding: bool | int = False,
 ) -> Float[Tensor, ""]:
     r"""A distillation loss from the student's last hidden states: no logits tensor.
 
@@ -302,10 +163,9 @@ def linear_distill_loss(
         "bias": bias, "mode": mode, "normalizer": normalizer, "max_len": max_len,
         "chunk_size": chunk_size, "softcap": softcap, "is_weights": is_weights,
         "topk_tail": topk_tail, "topk_support": topk_support, "backend": backend,
-        "keep_logits": keep_logits,
+        "keep_logits": keep_logits, "vocab_group": vocab_group, "skip_padding": skip_padding,
     }  # fmt: skip
-    spec, h, w, b, t = _prepare(hidden, weight, teacher, mask, options)
-    return _run(spec, h, w, b, t, options)[0]
+    return run(hidden, weight, teacher, mask, options)[0]
 
 
 @checks_values
@@ -330,9 +190,8 @@ def linear_distill_loss_with_diagnostics(
         >>> tuple(d.per_token.shape), bool((d.teacher_mass - 2 * torch.e**-1).abs().max() < 1e-6)
         ((1, 3), True)
     """
-    spec, h, w, b, t = _prepare(hidden, weight, teacher, mask, options)
-    loss, per_token, smass, tmass = _run(spec, h, w, b, t, options)
-    topk = t.ids is not None or spec.topk is not None
+    loss, per_token, smass, tmass = run(hidden, weight, teacher, mask, options)
+    topk = options.get("teacher_ids") is not None or options.get("topk") is not None
     return loss, DistillDiagnostics(
         per_token.detach(), smass.detach() if topk else None, tmass.detach() if topk else None
     )
