@@ -9,6 +9,7 @@ import importlib.util
 import itertools
 import re
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from dapo_ops import ClipHigher, ObjectivePreset, demo
-from dapo_ops.demo import docs, effects, plots, report
+from dapo_ops.demo import docs, effects, plots, progress, report
 from dapo_ops.presets import DAPO, GRPO
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -253,12 +254,49 @@ def test_cli_quotes_the_published_seed0_results() -> None:
 def test_default_command_announces_itself_and_its_expectation() -> None:
     default = demo.parse_args([])
     text = demo.cli.announce(default)
-    assert "2 run(s) (DAPO (all five), GRPO; seed 0)" in text and "0 %" in text
+    assert "2 run(s) (DAPO (all five), GRPO; seed 0)" in text and "first step" in text
+    assert "Expected time: about 17 s on an idle 2-core machine" in text
     note = demo.cli.expectation(default)
     assert note is not None and "DAPO above GRPO" in note
     # another budget, seed or row set is not the published run: no expectation quoted
     for argv in (["--seed", "1"], ["--budget", "256"], ["--no-clip-higher"], ["--ablation"]):
         assert demo.cli.expectation(demo.parse_args(argv)) is None, argv
+
+
+def test_expected_times_are_the_measured_ones_of_the_demo_page() -> None:
+    """The times the CLI quotes come from the two runs docs/demo.md reports; the default
+    command and the 5-seed ablation are quoted as measured, other commands in between."""
+    page = " ".join((ROOT / "docs" / "demo.md").read_text().split())
+    (_, default_s), (_, ablation_s) = progress.MEASURED_ROUNDS_SECONDS
+    stated = f"the default comparison in {progress.duration(default_s)} and the 5-seed "
+    stated += f"ablation (50 runs) in {progress.duration(ablation_s)}"
+    assert stated in page, stated
+    assert demo.cli.announce(demo.parse_args(["--ablation", "--seeds", "5"])).count("2 min 46 s")
+    budget = progress.MEASURED_BUDGET
+    assert progress.expected_seconds(2, 2, budget) == pytest.approx(default_s)
+    assert progress.expected_seconds(50, 2, budget) == pytest.approx(ablation_s)
+    assert default_s < progress.expected_seconds(10, 2, budget) < ablation_s
+
+
+def test_the_first_lines_wait_for_no_plotting_library() -> None:
+    """The CLI prints what it does and the expected time right after ``import torch``
+    (about 1 s here, `python -X importtime -c "import dapo_ops.demo.cli"`): importing it
+    loads no plotting library (matplotlib alone takes longer than torch)."""
+    code = "import sys, dapo_ops.demo.cli; assert 'matplotlib' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_progress_bar_clock_starts_at_the_first_step() -> None:
+    """The set-up before the first step (imports, the base model's fit) is not counted as
+    sampling time: the bar is made at the first reported step, from its count."""
+    pytest.importorskip("tqdm")
+    bar = progress.Progress(runs=2, budget=100)
+    assert bar.bar is None  # nothing shown, no clock running, before the first step
+    bar(0, 40)
+    assert bar.bar is not None and bar.bar.n == 40 and bar.bar.initial == 40
+    bar(1, 30)
+    assert bar.bar.n == 70
+    bar.close()
 
 
 def test_footnotes_only_explain_what_the_table_shows() -> None:

@@ -22,7 +22,7 @@ from dapo_ops.demo.ablation import (
     run_jobs,
 )
 from dapo_ops.demo.expected import SEED0_FINAL_ACCURACY
-from dapo_ops.demo.progress import Progress
+from dapo_ops.demo.progress import Progress, duration, expected_seconds
 from dapo_ops.demo.report import (
     CURVE_COLUMNS,
     RUN_COLUMNS,
@@ -160,11 +160,14 @@ def announce(cmd: Command) -> str:
         f"seed {cmd.seeds[0]}" if len(cmd.seeds) == 1 else f"seeds {cmd.seeds[0]}-{cmd.seeds[-1]}"
     )
     workers = min(cmd.workers, len(cmd.jobs))
+    seconds = expected_seconds(len(cmd.jobs), workers, cmd.config.sample_budget)
     return (
         f"Training {len(cmd.jobs)} run(s) ({rows}; {seeds}), {cmd.config.sample_budget:,} "
         f"generated answers each, in {workers} worker process(es).\n"
+        f"Expected time: about {duration(seconds)} on an idle 2-core machine (up to three "
+        "times that under load; docs/demo.md gives the measured runs).\n"
         "Before the first step each worker imports torch and fits the base model by supervised "
-        "learning, so the bar stays at 0 % for a few seconds."
+        "learning: the progress bar appears after a few seconds, with the first step."
     )
 
 
