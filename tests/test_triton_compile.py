@@ -77,8 +77,23 @@ def kernels(dtype: str, target: GPUTarget) -> dict[str, Any]:
     tl_acc = ks.tl.float64 if acc == "fp64" else ks.tl.float32
     types = {"z_ptr": f"*{dtype}", "g_ptr": f"*{dtype}", "tok_ptr": "*i64"}
     types |= {f"{n}_ptr": f"*{acc}" for n in ("tau", "par", "out", "lse", "ent", "a", "b")}
-    types |= {"z_stride": "i64", "g_stride": "i64"}
+    types |= {"z_stride": "i64", "g_stride": "i64", "y_stride": "i64", "lse_t_ptr": f"*{acc}"}
     out = {}
+    for kind, cap in itertools.product((0, 1, 2), (False, True)):
+        block, warps = GPU_BLOCKS["distill_sums"]
+        flags = {"KIND": kind, "HAS_CAP": cap, "ACC": tl_acc, "BLOCK": block}
+        dtypes = types | {"y_ptr": f"*{acc}"}  # the teacher's block: compute dtype in pass 1
+        out[f"distill_sums kind={kind} cap={cap}"] = compile_for(ks.distill_sums, dtypes, flags, warps, target)  # fmt: skip
+        block, warps = GPU_BLOCKS["distill"]
+        flags["BLOCK"] = block
+        dtypes = types | {"y_ptr": f"*{dtype}", "row_ptr": f"*{acc}", "coef_ptr": f"*{acc}",
+                          "lse_t_ptr": f"*{acc}", "valid_ptr": "*i8"}  # fmt: skip
+        out[f"distill_grad kind={kind} cap={cap}"] = compile_for(ks.distill_grad, dtypes, flags, warps, target)  # fmt: skip
+    for cap in (False, True):
+        block, warps = GPU_BLOCKS["distill"]
+        flags = {"HAS_CAP": cap, "ACC": tl_acc, "BLOCK": block}
+        dtypes = types | {"coef_ptr": f"*{acc}"}
+        out[f"scaled_probs cap={cap}"] = compile_for(ks.scaled_probs, dtypes, flags, warps, target)
     for tau, cap in itertools.product((False, True), repeat=2):
         block, warps = GPU_BLOCKS["stats"]
         flags = {"HAS_TAU": tau, "HAS_CAP": cap, "ACC": tl_acc, "BLOCK": block}
@@ -100,7 +115,7 @@ def test_row_kernels_compile(dtype: str, target: GPUTarget) -> None:
         assert spilled(compiled) == 0, f"{name} ({dtype}) spills registers"
         atomics = re.findall(r"^\s*(?:@!?%p\d+\s+)?((?:atom|red)\.[.\w]*)", code, re.M)
         assert not atomics, f"{name}: atomics {set(atomics)}"
-        if dtype in ("bf16", "fp16") and name.startswith("grad"):
+        if dtype in ("bf16", "fp16") and not name.startswith(("stats", "distill_sums")):
             half = dtype.replace("fp", "f")
             casts = re.findall(rf"cvt[.\w]*\.{half}(?:x2)?\.f32\b", code)
             assert casts and all(c.startswith("cvt.rn.") for c in casts), (name, set(casts))

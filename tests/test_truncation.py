@@ -383,20 +383,37 @@ def test_bad_options_name_the_option(name: str, value: object) -> None:
             call({name: value})
 
 
-def test_triton_backend_refuses_truncation_and_auto_takes_the_chunked_path() -> None:
-    """The Triton kernels do not truncate: an explicit backend='triton' with top_k/top_p/
-    min_p is refused by name (before Triton is needed), 'auto' computes the truncated
-    log-probs on the chunked path (equal to backend='chunked', bit for bit)."""
+@pytest.mark.parametrize("backend", ["two_pass", pytest.param("triton", marks=pytest.mark.triton)])
+def test_two_pass_truncation_equals_the_chunked_path(
+    backend: str, request: pytest.FixtureRequest
+) -> None:
+    """The two-pass backends truncate too (the thresholds as raw logits, decided once over
+    kept logits): log-probs, entropies and gradients equal the chunked path's in float64,
+    with a cap and a temperature, every rule alone and combined."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+        request.getfixturevalue("triton_interpreter")
     g = torch.Generator().manual_seed(3)
-    hidden, weight = torch.randn(2, 3, 8, generator=g), torch.randn(11, 8, generator=g)
+    hidden = torch.randn(2, 3, 8, generator=g, dtype=F64)
+    weight, bias = (
+        torch.randn(11, 8, generator=g, dtype=F64),
+        torch.randn(11, generator=g, dtype=F64),
+    )
     tokens = torch.randint(0, 11, (2, 3), generator=g)
-    adv, mask = torch.randn(2), torch.ones(2, 3, dtype=torch.bool)
-    old = torch.full((2, 3), -2.0)
-    for option in ({"top_k": 4}, {"top_p": 0.8}, {"min_p": 0.1}):
-        with pytest.raises(InputError, match="backend='triton' has no sampler truncation"):
-            d.fused_logprobs_entropy(hidden, weight, tokens, backend="triton", **option)
-        with pytest.raises(InputError, match="backend='triton' has no sampler truncation"):
-            d.linear_policy_loss(hidden, weight, tokens, old, adv, mask, backend="triton", **option)
-        auto = d.fused_logprobs_entropy(hidden, weight, tokens, backend="auto", **option)
-        chunked = d.fused_logprobs_entropy(hidden, weight, tokens, backend="chunked", **option)
-        assert torch.equal(auto.logp, chunked.logp) and torch.equal(auto.entropy, chunked.entropy)
+    for option in TRUNCS:
+        got, want = (
+            _fused_grads(hidden, weight, bias, tokens, option, b) for b in (backend, "chunked")
+        )
+        for x, y in zip(got, want, strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12)
+
+
+def _fused_grads(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                 tokens: torch.Tensor, option: dict, backend: str) -> list[torch.Tensor]:  # fmt: skip
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    out = d.fused_logprobs_entropy(
+        h, w, tokens, bias=bias, temperature=0.8, softcap=4.0, backend=backend, **option
+    )
+    (out.logp.sum() + 0.3 * out.entropy.sum()).backward()
+    assert h.grad is not None and w.grad is not None
+    return [out.logp.detach(), out.entropy.detach(), h.grad, w.grad]

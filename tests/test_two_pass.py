@@ -127,7 +127,9 @@ def test_micro_batches_add_up(backend: str, keep: bool, mode: str) -> None:
 @pytest.mark.parametrize("keep", KEEP)
 def test_gradcheck_and_double_backward(keep: bool) -> None:
     p = problem(3, 4, 3, 7, seed=1)
-    opts = {"temperature": 0.8, "entropy_coef": 0.1, "softcap": 2.0, "top_k": 5}
+    opts = {"temperature": 0.8, "entropy_coef": 0.1, "softcap": 2.0}
+    if keep:  # a truncation keeps the logits (decided once: test_truncation_keeps_the_logits)
+        opts["top_k"] = 5
     fn = two_pass(d.ClipHigher(), p, opts | {"backend": "two_pass", "keep_logits": keep})
     args = tuple(p[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias"))
     assert torch.autograd.gradcheck(fn, args, fast_mode=True)
@@ -153,7 +155,9 @@ def test_fused_logprobs_entropy(backend: str, keep: bool) -> None:
     p = problem(3, 5, 4, 13, seed=6)
     h, w = p["hidden"].reshape(15, 4), p["weight"]
     tok = p["tokens"].reshape(15)
-    opts = {"bias": p["bias"], "temperature": 0.7, "softcap": 3.0, "top_p": 0.8}
+    opts = {"bias": p["bias"], "temperature": 0.7, "softcap": 3.0}
+    if keep:
+        opts["top_p"] = 0.8
 
     def run(**kw: Any) -> tuple[Tensor, ...]:
         hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
@@ -202,6 +206,24 @@ def test_auto_picks_by_device_and_options() -> None:
     assert torch.equal(auto, d.linear_policy_loss(*args, backend="chunked"))
     kept = d.linear_policy_loss(*args, keep_logits=True)
     assert torch.equal(kept, d.linear_policy_loss(*args, backend="two_pass", keep_logits=True))
+
+
+@pytest.mark.usefixtures("no_runtime_typecheck")
+def test_truncation_keeps_the_logits() -> None:
+    """With top_k/top_p/min_p the kept set is decided once: the logits are kept (None
+    means True), and keep_logits=False is refused by name: forming them again in
+    vocabulary slices may round a logit at the threshold to the other side."""
+    p = problem(dtype=torch.float32)
+    h = p["hidden"].reshape(-1, p["hidden"].shape[-1])
+    tok = p["tokens"].reshape(-1)
+    with pytest.raises(d.InputError, match="keep_logits=False with top_k"):
+        d.fused_logprobs_entropy(
+            h, p["weight"], tok, top_k=3, keep_logits=False, backend="two_pass"
+        )
+    spec = _two_pass.two_pass_spec(
+        "two_pass", _two_pass.RowMath(), _two_pass.Truncation(top_k=3), None, h, 10**9
+    )
+    assert spec.keep
 
 
 def test_keep_by_size() -> None:
@@ -291,14 +313,48 @@ def test_distill_retained_graph_and_diagnostics() -> None:
 
 
 @pytest.mark.usefixtures("no_runtime_typecheck")
-def test_distill_refuses_triton_by_name() -> None:
+def test_distill_refuses_keep_logits_on_the_chunked_path() -> None:
     p = _distill_problem(torch.float32)
-    with pytest.raises(d.InputError, match="backend='triton'"):
-        d.linear_distill_loss(p["hidden"], p["weight"], p["teacher"], p["mask"], backend="triton")
     with pytest.raises(d.InputError, match="keep_logits"):
         d.linear_distill_loss(
             p["hidden"], p["weight"], p["teacher"], p["mask"], backend="chunked", keep_logits=True
         )
+
+
+DISTILL_KERNEL_CASES = [
+    {"kind": "forward_kl", "temperature": 0.8},
+    {"kind": "reverse_kl", "softcap": 2.0, "loss_clamp": 0.7},
+    {"kind": "jsd", "beta": 0.3, "is_weights": True},
+    {"teacher_ids": True, "topk_tail": "bucket", "kind": "jsd", "softcap": 2.0},
+    {"topk": 3, "log_prob_min_clamp": -4.0},
+]
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("keep", KEEP)
+@pytest.mark.parametrize("opts", DISTILL_KERNEL_CASES, ids=lambda o: ",".join(o))
+def test_distill_on_the_triton_rows(
+    triton_interpreter: None, keep: bool, opts: dict[str, Any]
+) -> None:
+    """The distillation kernels (float64 under the interpreter) equal the ATen rows."""
+    p = _distill_problem()
+    o = dict(opts)
+    teacher = p["teacher"]
+    if o.pop("teacher_ids", None):
+        teacher, o["teacher_ids"] = p["topk_logp"], p["ids"]
+    if o.pop("is_weights", None):
+        o["is_weights"] = p["is_weights"]
+
+    def run(backend: str) -> list[Tensor]:
+        leaves = [p[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")]
+        loss = d.linear_distill_loss(
+            leaves[0], leaves[1], teacher, p["mask"], bias=leaves[2], backend=backend,
+            keep_logits=keep, **o,
+        )  # fmt: skip
+        return [loss.detach(), *torch.autograd.grad(loss, leaves)]
+
+    for x, y in zip(run("triton"), run("two_pass"), strict=True):
+        assert_within(x, y, 1e-12 * (y.abs() + y.abs().max()), f"{opts} keep={keep}")
 
 
 def _alive(cls: type) -> int:

@@ -162,3 +162,106 @@ def grad(z_ptr, z_stride, g_ptr, g_stride, tok_ptr, tau_ptr, par_ptr, lse_ptr, e
     if HAS_CAP:
         g = g * (1.0 - t * t)
     tl.store(g_ptr + row * g_stride + cols, _narrow(g, g_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _distill_terms(x, y, lse, lse_t, par_ptr, KIND: tl.constexpr):
+    """``(s, t, p_s, p_t, m)`` of a block: the student's and teacher's log-probs floored at
+    ``FLOOR`` (``par[2]``), their probabilities, and the JSD's mixture ``m`` (``par[3:5]``
+    = ``log(1 - beta)``, ``log(beta)``)."""
+    floor = tl.load(par_ptr + 2)
+    s = tl.maximum(x - lse, floor)
+    t = tl.maximum(y - lse_t, floor)
+    ps = tl.exp(x - lse)
+    pt = tl.exp(t)
+    m = s
+    if KIND == 2:
+        a = s + tl.load(par_ptr + 3)
+        b = t + tl.load(par_ptr + 4)
+        hi = tl.maximum(a, b)
+        m = hi + tl.log(tl.exp(a - hi) + tl.exp(b - hi))
+    return s, t, ps, pt, m
+
+
+@triton.jit
+def distill_sums(z_ptr, z_stride, y_ptr, y_stride, par_ptr, lse_ptr, lse_t_ptr, out_ptr, N, V,
+                 KIND: tl.constexpr, HAS_CAP: tl.constexpr, ACC: tl.constexpr,
+                 BLOCK: tl.constexpr):  # fmt: skip
+    """Pass 1's second round, a program per row: ``out[0..1, row]`` the two sums of the
+    whole-vocabulary kind ``KIND`` (0 forward KL: ``sum p_t (t - s)``, ``sum p_t``; 1
+    reverse KL: ``sum p_s (s - t)`` twice; 2 JSD: ``sum p_t (t - m)``, ``sum p_s (s -
+    m)``) over this rank's columns, the log-sum-exps known."""
+    row = tl.program_id(0).to(tl.int64)
+    lse = tl.load(lse_ptr + row)
+    lse_t = tl.load(lse_t_ptr + row)
+    temp = tl.load(par_ptr)
+    acc0 = tl.full([BLOCK], 0.0, ACC)  # tl.full, a builtin (tl.zeros is a jit helper)
+    acc1 = tl.full([BLOCK], 0.0, ACC)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        ok = cols < V
+        _zz, x, _tt = _inputs(z_ptr + row * z_stride, row, cols, ok, 0, par_ptr, par_ptr,
+                              False, HAS_CAP, ACC)  # fmt: skip
+        y = tl.load(y_ptr + row * y_stride + cols, mask=ok, other=0.0).to(ACC) / temp
+        s, t, ps, pt, m = _distill_terms(x, y, lse, lse_t, par_ptr, KIND)
+        if KIND == 0:
+            acc0 += tl.where(ok, pt * (t - s), 0.0)
+            acc1 += tl.where(ok, pt, 0.0)
+        elif KIND == 1:  # the loss is the row's number too
+            acc0 += tl.where(ok, ps * (s - t), 0.0)
+            acc1 += tl.where(ok, ps * (s - t), 0.0)
+        else:
+            acc0 += tl.where(ok, pt * (t - m), 0.0)
+            acc1 += tl.where(ok, ps * (s - m), 0.0)
+    tl.store(out_ptr + row, _sum(acc0))
+    tl.store(out_ptr + N + row, _sum(acc1))
+
+
+@triton.jit
+def distill_grad(z_ptr, z_stride, y_ptr, y_stride, g_ptr, g_stride, par_ptr, lse_ptr, lse_t_ptr,
+                 row_ptr, coef_ptr, valid_ptr, V, KIND: tl.constexpr, HAS_CAP: tl.constexpr,
+                 ACC: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """Pass 2 of a whole-vocabulary kind, a program per ``(row, block of columns)``: ``G =
+    coef (p_s r - p_t)`` (forward KL, ``r = sum p_t``), ``coef p_s (s - t - r)`` (reverse
+    KL, ``r`` the loss), ``coef (1 - beta) p_s (s - m - r)`` (JSD, ``r = KL(s || m)``;
+    ``par[5] = 1 - beta``), times the cap's ``1 - t^2``; ``coef`` per row is the token's
+    weight over T (0 at masked and clamped tokens); a masked row's teacher logits are read
+    as 0 (whatever they hold)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < V
+    _zz, x, tc = _inputs(z_ptr + row * z_stride, row, cols, ok, 0, par_ptr, par_ptr,
+                         False, HAS_CAP, ACC)  # fmt: skip
+    live = ok & (tl.load(valid_ptr + row) != 0)
+    y = tl.load(y_ptr + row * y_stride + cols, mask=live, other=0.0).to(ACC) / tl.load(par_ptr)
+    s, t, ps, pt, m = _distill_terms(x, y, tl.load(lse_ptr + row), tl.load(lse_t_ptr + row),
+                                     par_ptr, KIND)  # fmt: skip
+    r = tl.load(row_ptr + row)
+    if KIND == 0:
+        g = ps * r - pt
+    elif KIND == 1:
+        g = ps * (s - t - r)
+    else:
+        g = tl.load(par_ptr + 5) * ps * (s - m - r)
+    g = g * tl.load(coef_ptr + row)
+    if HAS_CAP:
+        g = g * (1.0 - tc * tc)
+    g = tl.where(ok, g, 0.0)
+    tl.store(g_ptr + row * g_stride + cols, _narrow(g, g_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def scaled_probs(z_ptr, z_stride, g_ptr, g_stride, par_ptr, lse_ptr, coef_ptr, V,
+                 HAS_CAP: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """``G = coef p_s`` (times the cap's ``1 - t^2``), a program per ``(row, block)``: the
+    part off the ids of a support path's gradient (``coef`` = alpha times the weight / T)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < V
+    _zz, x, tc = _inputs(z_ptr + row * z_stride, row, cols, ok, 0, par_ptr, par_ptr,
+                         False, HAS_CAP, ACC)  # fmt: skip
+    g = tl.exp(x - tl.load(lse_ptr + row)) * tl.load(coef_ptr + row)
+    if HAS_CAP:
+        g = g * (1.0 - tc * tc)
+    g = tl.where(ok, g, 0.0)
+    tl.store(g_ptr + row * g_stride + cols, _narrow(g, g_ptr.dtype.element_ty), mask=ok)

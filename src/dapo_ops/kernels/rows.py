@@ -39,11 +39,13 @@ from dapo_ops._core._triton import interpreting, launch_options, load_kernels
 RowImpl = Literal["triton", "torch"]
 
 #: Columns a pass-1 program reads per step, and a pass-2 program's block: on a GPU, 16
-#: bytes a thread at 8 warps for bfloat16 (pass 1) and 4 warps (pass 2); under the
-#: interpreter (numpy, one program at a time) small blocks that still split the tests'
-#: rows into several.
-GPU_BLOCKS = {"stats": (4096, 8), "grad": (1024, 4)}
-INTERPRET_BLOCKS = {"stats": (32, 1), "grad": (32, 1)}
+#: bytes a thread at 8 warps for bfloat16 (pass 1) and 4 warps (pass 2); the
+#: distillation's kernels (more live values per entry) at 8 warps and, for its float64
+#: sums, 2048 columns: free of register spills on an A100 too (4096 spilled 192 bytes a
+#: thread, tests/test_triton_compile.py); under the interpreter
+#: (numpy, one program at a time) small blocks that still split the tests' rows.
+GPU_BLOCKS = {"stats": (4096, 8), "grad": (1024, 4), "distill": (1024, 8), "distill_sums": (2048, 8)}  # fmt: skip
+INTERPRET_BLOCKS = {"stats": (32, 1), "grad": (32, 1), "distill": (32, 1), "distill_sums": (32, 1)}  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

@@ -152,18 +152,14 @@ def _run(
     o: DistillOptions, split: VocabSplit | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     backend, keep, skip = o.get("backend", "auto"), o.get("keep_logits"), o.get("skip_padding", False)  # fmt: skip
-    if backend == "triton":
-        raise InputError(
-            "backend='triton': linear_distill_loss has no Triton row kernels; "
-            "backend='two_pass' runs the same two-pass design with ATen row functions"
-        )
     needs = "vocab_group" if split is not None else ("skip_padding" if skip is not False else None)
-    if resolve(backend, h.device, o.get("chunk_size"), keep, needs) != "chunked":
+    path = resolve(backend, h.device, o.get("chunk_size"), keep, needs)
+    if path != "chunked":
         count = check_skip_padding(skip, t.valid)
         rm = None if count is None else skip_padding_map(t.valid, count, skip is True)
         n = None if rm is None else rm.src.shape[0]
         rows = RowMath(spec.temperature, spec.softcap)
-        tp = two_pass_spec("two_pass", rows, None, keep, h, w.shape[0], split, n)
+        tp = two_pass_spec(path, rows, None, keep, h, w.shape[0], split, n)
         return TwoPassDistill.apply(h, w, b, spec, t, tp, rm)  # type: ignore[no-any-return,no-untyped-call]
     need = tuple(torch.is_grad_enabled() and x is not None and x.requires_grad for x in (h, w, b))
     if any(need):

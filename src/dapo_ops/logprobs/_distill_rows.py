@@ -25,9 +25,18 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from dapo_ops.kernels.distill import sums as kernel_sums
+from dapo_ops.kernels.rows import RowMath, compute_dtype, finish, stats
 from dapo_ops.logprobs._distill_terms import DistillInputs, DistillSpec, chunk_terms
 from dapo_ops.logprobs._softmax_blocks import LOGP_FLOOR
-from dapo_ops.logprobs._vocab_parallel import VocabSplit, all_max, all_sum, gather_cols
+from dapo_ops.logprobs._two_pass import TwoPassSpec
+from dapo_ops.logprobs._vocab_parallel import (
+    VocabSplit,
+    all_max,
+    all_sum,
+    gather_cols,
+    merge_stats,
+)
 
 
 class BlockTerms(NamedTuple):
@@ -94,6 +103,22 @@ def _full(spec: DistillSpec, x: Tensor, y: Tensor, lse: Tensor, lse_t: Tensor,
     return sums[0], sums[1]
 
 
+def scaled(z: Tensor, softcap: float | None, temperature: float, cdt: torch.dtype) -> Tensor:
+    """``x = cap(z) / T`` in ``cdt``."""
+    x = z.to(cdt)
+    if softcap is not None:
+        x = softcap * torch.tanh(x / softcap)
+    return x / temperature
+
+
+def _clamped(spec: DistillSpec, loss: Tensor, lse: Tensor, lse_t: Tensor, row: Tensor) -> BlockTerms:  # fmt: skip
+    """A whole-vocabulary block's terms, ``loss_clamp`` applied (its gradient cut beyond)."""
+    c = spec.loss_clamp
+    cut = None if c is None else (loss < -c) | (loss > c)
+    loss = loss if c is None else loss.clamp(-c, c)
+    return BlockTerms(loss, cut, lse, lse_t, row, None, None, None, None, None)
+
+
 def _compact(x_ids: Tensor, ids: Tensor, off: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
     """``(log-softmax of the compact row [n, k + 1], the ids' columns in it)``: a repeated
     id keeps its first slot (the others -inf), the last column the mass off the ids."""
@@ -106,22 +131,40 @@ def _compact(x_ids: Tensor, ids: Tensor, off: Tensor, lse: Tensor) -> tuple[Tens
     return torch.log_softmax(torch.cat([x_ded, bucket.unsqueeze(1)], dim=1), dim=1), first
 
 
+def _lse_kernel(z: Tensor, rm: RowMath, split: VocabSplit | None) -> Tensor:
+    """The log-sum-exp of ``cap(z) / T`` over every rank's columns, by the stats kernel."""
+    none = torch.full((z.shape[0],), -1, dtype=torch.int64, device=z.device)
+    pieces = stats(z, none, None, rm, "triton")
+    if split is not None:
+        pieces = merge_stats(pieces, split)
+    return finish(pieces)[2]
+
+
 def block_terms(
-    spec: DistillSpec, x: Tensor, t: DistillInputs, grid_rows: Tensor, split: VocabSplit | None
-) -> BlockTerms:
-    """The pass-1 results of the rows ``grid_rows`` (positions in the flattened grid)."""
+    spec: DistillSpec, z: Tensor, t: DistillInputs, grid_rows: Tensor, tp: TwoPassSpec,
+    par: Tensor | None,
+) -> BlockTerms:  # fmt: skip
+    """The pass-1 results of the rows ``grid_rows`` (positions in the flattened grid) from
+    their raw logits ``z``; ``par`` the distillation kernels' parameters under
+    ``backend="triton"`` (None: the ATen functions)."""
+    split, cdt = tp.split, compute_dtype(z.dtype)
     k_all = t.teacher.shape[-1]
     valid = t.valid.reshape(-1)[grid_rows].unsqueeze(1)
-    teacher = torch.where(valid, t.teacher.reshape(-1, k_all)[grid_rows].to(x.dtype), 0.0)
-    lse = lse_of(x, split)
-    if t.ids is None and spec.topk is None:  # the whole vocabulary
+    teacher = torch.where(valid, t.teacher.reshape(-1, k_all)[grid_rows].to(cdt), 0.0)
+    full = t.ids is None and spec.topk is None
+    if full and par is not None:  # the whole vocabulary on the kernels: no [n, V] temporary
+        lse = _lse_kernel(z, tp.rows, split)
+        lse_t = _lse_kernel(teacher, RowMath(spec.temperature), split)
+        sums = all_sum(kernel_sums(z, teacher, lse, lse_t, spec.kind, par, spec.softcap is not None), split)  # fmt: skip
+        loss = spec.beta * sums[0] + (1 - spec.beta) * sums[1] if spec.kind == "jsd" else sums[0]
+        return _clamped(spec, loss, lse, lse_t, sums[1])
+    x = scaled(z, spec.softcap, spec.temperature, cdt)
+    lse = lse_of(x, split) if par is None else _lse_kernel(z, tp.rows, split)
+    if full:  # the whole vocabulary
         y = teacher / spec.temperature
         lse_t = lse_of(y, split)
         loss, row = _full(spec, x, y, lse, lse_t, split)
-        c = spec.loss_clamp
-        cut = None if c is None else (loss < -c) | (loss > c)
-        loss = loss if c is None else loss.clamp(-c, c)
-        return BlockTerms(loss, cut, lse, lse_t, row, None, None, None, None, None)
+        return _clamped(spec, loss, lse, lse_t, row)
     if t.ids is not None:  # the teacher's top-k log-probs at global ids, as given
         tl, ids = teacher, t.ids.reshape(-1, k_all)[grid_rows]
     else:  # the teacher's logits reduced to the ids of a top-k support

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from dapo_ops._core._validate import InputError
+from dapo_ops.kernels.distill import grad_full_, params, probs_
 from dapo_ops.kernels.rows import compute_dtype
 from dapo_ops.logprobs._distill_rows import BlockTerms, block_terms
 from dapo_ops.logprobs._distill_terms import DistillInputs, DistillSpec, _scale, reference_loss
@@ -75,10 +76,10 @@ def pass1(
     weight = _scale(spec, t, cdt)[grid_rows]
     valid = t.valid.reshape(-1)[grid_rows]
     parts: list[BlockTerms] = []
+    par = kernel_params(spec, tp, cdt, h.device)
 
     def visit(z: Tensor, rows: slice) -> None:
-        x, _ = scaled(z, spec, cdt)
-        parts.append(block_terms(spec, x, t, grid_rows[rows], tp.split))
+        parts.append(block_terms(spec, z, t, grid_rows[rows], tp, par))
 
     logits = blocks1(tp, h, w, b, visit, uniform_rows(tp, w.shape[0]))
 
@@ -146,6 +147,50 @@ def _entries(
     return (1 - b) * ps * (sf - m - row)
 
 
+def kernel_params(spec: DistillSpec, tp: TwoPassSpec, cdt: torch.dtype, device: torch.device) -> Tensor | None:  # fmt: skip
+    """The distillation kernels' parameters under ``backend="triton"``, else None."""
+    if tp.impl != "triton":
+        return None
+    return params(tp.rows, spec.beta, LOGP_FLOOR, cdt, device)
+
+
+def _teacher_block(t: DistillInputs, grid_rows: Tensor, rows: slice, cols: slice) -> Tensor:
+    """The teacher's logits of a block (a view when the rows run in order)."""
+    k = t.teacher.shape[-1]
+    flat = t.teacher.reshape(-1, k)
+    if grid_rows.shape[0] == flat.shape[0]:  # every row runs, in order: a view, no copy
+        return flat[rows, cols]
+    return flat[grid_rows[rows]][:, cols]
+
+
+def _kernel_grad_(
+    spec: DistillSpec, p1: DistillPass1, t: DistillInputs, z: Tensor, par: Tensor,
+    coef: Tensor, rows: slice, grid_rows: Tensor, col0: int, id0: int,
+) -> None:  # fmt: skip
+    """Pass 2 of a block on the kernels, in place over ``z``."""
+    cap = spec.softcap is not None
+    if p1.ids is None:
+        assert p1.lse_t is not None and p1.row is not None
+        y = _teacher_block(t, grid_rows, rows, slice(col0, col0 + z.shape[1]))
+        valid = t.valid.reshape(-1)[grid_rows[rows]]
+        stats3 = (p1.lse[rows], p1.lse_t[rows], p1.row[rows])
+        grad_full_(z, y, z, par, stats3, coef[rows], valid, spec.kind, cap)
+        return
+    assert p1.alpha is not None and p1.at_ids is not None
+    width = z.shape[1]
+    rel = p1.ids[rows] - (id0 + col0)
+    inside = (rel >= 0) & (rel < width)
+    idx = torch.where(inside, rel, 0)
+    at = p1.at_ids[rows] * coef[rows].unsqueeze(1)
+    if spec.softcap is not None:  # the cap's slope at the ids, read before z is overwritten
+        tz = torch.tanh(z.gather(1, idx).to(at.dtype) / spec.softcap)
+        at = at * (1.0 - tz * tz)
+    probs_(z, z, par, p1.lse[rows], p1.alpha[rows] * coef[rows], cap)
+    pad = torch.cat([z, z.new_zeros(z.shape[0], 1)], dim=1)
+    pad.scatter_(1, torch.where(inside, rel, width), torch.where(inside, at, 0.0).to(z.dtype))
+    z.copy_(pad[:, :width])
+
+
 def pass2(
     spec: DistillSpec, tp: TwoPassSpec, h: Tensor, w: Tensor, b: Tensor | None,
     t: DistillInputs, p1: DistillPass1, grid_rows: Tensor, scale: Tensor,
@@ -157,7 +202,12 @@ def pass2(
     valid = t.valid.reshape(-1, 1)[grid_rows]
     id0 = 0 if tp.split is None else tp.split.start
 
+    par = kernel_params(spec, tp, cdt, h.device)
+
     def row_grad(z: Tensor, rows: slice, col0: int) -> None:
+        if par is not None:
+            _kernel_grad_(spec, p1, t, z, par, coef, rows, grid_rows, col0, id0)
+            return
         x, tanh = scaled(z, spec, cdt)
         s = x - p1.lse[rows].unsqueeze(1)
         g = _entries(spec, p1, t, s, rows, grid_rows[rows], col0, id0)

@@ -39,6 +39,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from dapo_ops._core._validate import InputError
 from dapo_ops.kernels.rows import RowImpl, RowMath, compute_dtype, finish, grad_, stats
 from dapo_ops.logprobs._truncation import Truncation, thresholds
 from dapo_ops.logprobs._vocab_parallel import VocabSplit, merge_stats
@@ -84,7 +85,15 @@ def two_pass_spec(
     ``h`` its ``[..., d]`` hidden states, ``vocab`` the rank's rows of the weight and
     ``rows_run`` the rows the passes run on (None: all of ``h``'s)."""
     tokens = h.numel() // max(h.shape[-1], 1) if rows_run is None else rows_run
-    keep = keep_by_size(keep_logits, tokens, vocab, h.dtype)
+    if trunc is not None and keep_logits is False:
+        raise InputError(
+            "keep_logits=False with top_k, top_p or min_p: pass 2 would form the logits again "
+            "in vocabulary slices, whose products may round a logit at the kept set's "
+            "threshold to the other side; keep_logits=True (or None) decides the set once, "
+            "backend='chunked' forms each chunk again with the same product"
+        )
+    # with a truncation the kept set is decided once, over logits formed once: kept
+    keep = True if trunc is not None else keep_by_size(keep_logits, tokens, vocab, h.dtype)
     budget = BUDGET_ELEMENTS["cpu" if h.device.type == "cpu" else "other"]
     impl: RowImpl = "triton" if path == "triton" else "torch"
     return TwoPassSpec(rows, trunc, impl, keep, budget, split)
@@ -118,19 +127,20 @@ def _view(buf: Tensor, rows: int, cols: int) -> Tensor:
 
 def _thresholds(z: Tensor, spec: TwoPassSpec) -> Tensor | None:
     """Raw-logit thresholds of the rows of ``z``: the smallest raw logit whose ``x`` is
-    at least the sampler's threshold on ``x``."""
+    at least the sampler's threshold on ``x`` (a piece of rows at a time: the float
+    temporaries stay a few times ``TORCH_ROWS_ELEMENTS``)."""
     if spec.trunc is None:
         return None
-    cdt = compute_dtype(z.dtype)
-    raw = z.to(cdt)
-    x = (
-        raw
-        if spec.rows.softcap is None
-        else spec.rows.softcap * torch.tanh(raw / spec.rows.softcap)
-    )
-    x = x / spec.rows.temperature
-    tau = thresholds(x, spec.trunc)
-    return torch.where(x >= tau.unsqueeze(1), raw, math.inf).amin(dim=1)
+    cdt, cap = compute_dtype(z.dtype), spec.rows.softcap
+    step = max(1, TORCH_ROWS_ELEMENTS // max(z.shape[1], 1))
+    out = []
+    for s in range(0, z.shape[0], step):
+        raw = z[s : s + step].to(cdt)
+        x = raw if cap is None else cap * torch.tanh(raw / cap)
+        x = x / spec.rows.temperature
+        tau = thresholds(x, spec.trunc)
+        out.append(torch.where(x >= tau.unsqueeze(1), raw, math.inf).amin(dim=1))
+    return torch.cat(out) if out else z.new_zeros(0, dtype=cdt)
 
 
 def _row_pieces(spec: TwoPassSpec, rows: int, cols: int) -> list[tuple[int, int]]:
