@@ -32,6 +32,17 @@ PATHS = [
 PATH_IDS = ["chunked", "chunks-of-4", "two-pass-keep", "two-pass-recompute"]
 
 
+def case_paths(cases: list[dict[str, Any]]) -> list[Any]:
+    """Each case on the two chunked paths and one two-pass setting, the settings in turn
+    (the suite's time: every case and every setting, not every pair)."""
+    out = []
+    for i, opts in enumerate(cases):
+        name = ",".join(f"{k}={v}" for k, v in opts.items())
+        for j in (0, 1, 2 + i % 2):
+            out.append(pytest.param(opts, PATHS[j], id=f"{name}-{PATH_IDS[j]}"))
+    return out
+
+
 def small_two_pass_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two-pass blocks of 60 logits: 3-row blocks in pass 1, 4-id slices in pass 2."""
     monkeypatch.setitem(_two_pass.BUDGET_ELEMENTS, "cpu", 60)
@@ -145,8 +156,7 @@ CASES = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("opts", CASES, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
-@pytest.mark.parametrize("path", PATHS, ids=PATH_IDS)
+@pytest.mark.parametrize(("opts", "path"), case_paths(CASES))
 def test_equals_the_naive_composition(
     opts: dict[str, Any], path: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -17,12 +17,11 @@ from typing import Any
 import pytest
 import torch
 from test_linear_distill import (
-    PATH_IDS,
-    PATHS,
     TOL,
     B,
     S,
     V,
+    case_paths,
     dirtied,
     problem,
     small_two_pass_blocks,
@@ -125,8 +124,7 @@ CASES = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("opts", CASES, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
-@pytest.mark.parametrize("path", PATHS, ids=PATH_IDS)
+@pytest.mark.parametrize(("opts", "path"), case_paths(CASES))
 def test_equals_the_naive_composition(
     opts: dict[str, Any], path: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:

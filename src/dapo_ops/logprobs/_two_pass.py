@@ -24,8 +24,11 @@ zero), ``weight [V, d]``, ``bias [V]``:
 
 With a sampler truncation the per-row thresholds are found from whole rows in pass 1
 (:func:`dapo_ops.logprobs._truncation.thresholds` on ``x = cap(z)/T``) and kept as raw
-logits: the smallest raw logit of the kept set, so pass 2 keeps the same columns bit for
-bit. The derivation and the memory/time arithmetic: ``docs/linear_loss.md``.
+logits: the smallest raw logit of the kept set, so every kernel and implementation keeps
+the same columns of the same logits bit for bit, whatever rounding ``x`` gets. The logits
+are then kept (``keep_logits=False`` is refused): a vocabulary slice's product formed
+again may round a logit at the threshold to the other side. The derivation and the
+memory/time arithmetic: ``docs/linear_loss.md``.
 """
 
 from __future__ import annotations
