@@ -43,6 +43,8 @@ class Impl:
     compiled: bool = False
     #: why it cannot run here (e.g. a peer that is not installed): reported, not timed
     missing: str | None = None
+    #: the devices whose suites have this row (a CUDA-only kernel is not listed on CPU)
+    devices: tuple[str, ...] = ("cpu", "cuda")
 
 
 @dataclass
@@ -137,6 +139,11 @@ class Suite:
     bandwidth: bool = True  # does a case of this suite use the bandwidth floor
     #: a suite that measures something else than step times runs itself
     run: Callable[[Protocol, Callable[[str], None]], list[Result]] | None = None
+
+
+def for_device(impls: list[Impl], device: str) -> list[Impl]:
+    """The implementations that belong to ``device``'s suite (:attr:`Impl.devices`)."""
+    return [i for i in impls if device in i.devices]
 
 
 # --------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Where a linear-loss step spends its time on a GPU: torch.profiler's kernel table for the
 naive path and ``linear_policy_loss`` (the linear suite's inputs), one fwd+bwd each.
 
-    python -m benchmarks.profile_linear                       # CUDA, the suite's four cases
-    python -m benchmarks.profile_linear --sizes 1024x896x151936 --dtypes bf16
+    python -m benchmarks.profile_linear                       # CUDA, the suite's GPU cases
+    python -m benchmarks.profile_linear --sizes 8192x4096x151936 --dtypes bf16
+    python -m benchmarks.profile_linear --backend triton --keep-logits false
 
 Prints, per case and path, the CUDA time per kernel family (summed over calls, sorted)
 and the wall time of the step between CUDA events. Nothing is written to the docs: this is
@@ -12,6 +13,8 @@ the evidence behind the linear suite's notes, not a benchmark of record.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -19,9 +22,14 @@ from torch.profiler import ProfilerActivity, profile
 import dapo_ops as d
 from benchmarks.suites.linear import _naive, linear_inputs
 
+Loss = Callable[[torch.Tensor, torch.Tensor, dict[str, Any]], torch.Tensor]
 
-def _linear(h: torch.Tensor, w: torch.Tensor, x: dict) -> torch.Tensor:  # type: ignore[type-arg]
-    return d.linear_policy_loss(h, w, x["tokens"], x["old"], x["adv"], x["mask"])
+
+def _linear(**options: Any) -> Loss:
+    def loss_of(h: torch.Tensor, w: torch.Tensor, x: dict[str, Any]) -> torch.Tensor:
+        return d.linear_policy_loss(h, w, x["tokens"], x["old"], x["adv"], x["mask"], **options)
+
+    return loss_of
 
 
 def _device_us(e: object) -> float:
@@ -33,12 +41,12 @@ def _device_us(e: object) -> float:
     return 0.0
 
 
-def _step(loss_of, x):  # type: ignore[no-untyped-def]
+def _step(loss_of: Loss, x: dict[str, Any]) -> Callable[[], None]:
     h = x["hidden"].detach().requires_grad_(True)
     w = x["weight"].detach().requires_grad_(True)
 
     def run() -> None:
-        loss_of(h, w, x).backward()
+        loss_of(h, w, x).backward()  # type: ignore[no-untyped-call]
         h.grad = w.grad = None
 
     return run
@@ -46,22 +54,28 @@ def _step(loss_of, x):  # type: ignore[no-untyped-def]
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--sizes", nargs="*", default=["2048x896x32000", "1024x896x151936"])
+    p.add_argument("--sizes", nargs="*", default=["2048x896x32000", "8192x4096x151936"])
     p.add_argument("--dtypes", nargs="*", default=["fp32", "bf16"])
     p.add_argument("--rows", type=int, default=12)
+    p.add_argument("--backend", default="auto", choices=["auto", "chunked", "two_pass", "triton"])
+    p.add_argument("--keep-logits", default="auto", choices=["auto", "true", "false"])
     args = p.parse_args()
+    keep = {"auto": None, "true": True, "false": False}[args.keep_logits]
+    ours = _linear(backend=args.backend, keep_logits=keep)
     dev = "cuda"
     for size in args.sizes:
         n, dim, v = (int(s) for s in size.split("x"))
         for name in args.dtypes:
             dtype = torch.float32 if name == "fp32" else torch.bfloat16
             x = linear_inputs(n, dim, v, dtype, dev)
-            for label, fn in (("naive", _naive), ("linear_policy_loss", _linear)):
+            label_ours = f"linear_policy_loss({args.backend=}, {keep=})".replace("args.", "")
+            for label, fn in (("naive", _naive), (label_ours, ours)):
                 run = _step(fn, x)
                 for _ in range(3):
                     run()
                 torch.cuda.synchronize()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
+                start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
                 start.record()
                 for _ in range(5):
                     run()

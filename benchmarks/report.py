@@ -15,8 +15,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from benchmarks import glance
 from benchmarks.harness import Case, Result, Target
-from benchmarks.pending import PENDING
+from benchmarks.pending import PENDING, PENDING_SUITES, pending_suite
+from benchmarks.stale import current_cases, pending_rows, shown_suites
 
 FORMAT = 2
 CASE_FIELDS = (
@@ -81,14 +83,29 @@ def _mib(b: int | None) -> str:
     return "n/a" if b is None else f"{b / 2**20:.1f}"
 
 
-def suite_targets(suite_name: str, record: dict[str, Any], device: str = "cpu") -> list[Target]:
+def suite_targets(
+    suite_name: str, record: dict[str, Any] | None, device: str = "cpu"
+) -> list[Target]:
+    """The suite's targets on ``device`` from its record, over the record's cases and the
+    suite's cases it lacks (pending: not measured); ``record=None``: a pending suite."""
     from benchmarks.suites import SUITES
 
     suite = SUITES.get(suite_name)
     if suite is None:
         return []
+    if record is None:
+        why = pending_suite(device, suite_name) or "not in this run"
+        out = suite.targets([], current_cases(suite_name, device, False), math.nan, device)
+        for t in out:
+            if t.met is None and not t.recorded:
+                t.reason = why
+        return out
+    cases = record_cases(record)
+    known = {(c.op, c.size) for c in cases}
+    quick = record["meta"]["quick"]
+    cases += [c for c in current_cases(suite_name, device, quick) if (c.op, c.size) not in known]
     bandwidth = record["meta"].get("bandwidth") or math.nan
-    return suite.targets(record_results(record), record_cases(record), bandwidth, device)
+    return suite.targets(record_results(record), cases, bandwidth, device)
 
 
 def _meta_lines(meta: dict[str, Any]) -> list[str]:
@@ -107,15 +124,29 @@ def _meta_lines(meta: dict[str, Any]) -> list[str]:
             if meta.get("agreement")
             else []
         ),
+        *(
+            [
+                f"- Rows of this run not shown, the code they timed since replaced or gone "
+                f"(`python -m benchmarks.run --drop-stale`): {'; '.join(meta['dropped'])}."
+            ]
+            if meta.get("dropped")
+            else []
+        ),
     ]
 
 
-def render_record(title: str, notes: list[str], record: dict[str, Any], cuda: bool) -> list[str]:
+def _table_head(cuda: bool) -> list[str]:
+    header = "| case | implementation | median | IQR | min | n | x ref (med / min) | x floor or unit (med / min) | extra peak MiB (tensors / RSS) | x basis |"
+    return [header + (" kernels |" if cuda else ""), "|---" * (10 + cuda) + "|"]
+
+
+def render_record(
+    name: str, title: str, notes: list[str], record: dict[str, Any], cuda: bool
+) -> list[str]:
     cases = {(c.op, c.size): c for c in record_cases(record)}
     results = record_results(record)
     lines = ["", f"## {title}", "", *_meta_lines(record["meta"]), *[f"- {n}" for n in notes], ""]
-    header = "| case | implementation | median | IQR | min | n | x ref (med / min) | x floor or unit (med / min) | extra peak MiB (tensors / RSS) | x basis |"
-    lines += [header + (" kernels |" if cuda else ""), "|---" * (10 + cuda) + "|"]
+    lines += _table_head(cuda)
     for r in results:
         c = cases[(r.op, r.size)]
         head = f"| {r.op} {r.size} | {'**' + r.impl + '**' if r.role == 'ours' else r.impl} |"
@@ -156,6 +187,12 @@ def render_record(title: str, notes: list[str], record: dict[str, Any], cuda: bo
             f"{x_ref} | {x_fl} | {_mib(r.mem_tensors)} / {_mib(r.mem_rss)} | {basis} |"
         )
         lines.append(row + (f" {r.kernels if r.kernels is not None else 'n/a'} |" if cuda else ""))
+    for case, line in pending_rows(name, record, "cuda" if cuda else "cpu"):
+        at = max(
+            (i for i, x in enumerate(lines) if x.startswith(f"| {case[0]} {case[1]} |")),
+            default=len(lines) - 1,
+        )
+        lines.insert(at + 1, line)
     compiled = [r for r in results if r.compile_s is not None and r.suite != "compile"]
     if compiled:
         lines += [
@@ -200,7 +237,9 @@ Rows that cannot run here state why (a missing peer, the exact error). The peers
 functions are timed where they import: run in the integration environment
 (`.ci/integration`: TRL, `pip install --no-deps verl==0.9.1`) with
 `pip install --no-deps liger-kernel` and `pip install triton` (verl's
-`FusedLinearForPPO` imports Liger's Triton ops; triton installs and imports on CPU)."""
+`FusedLinearForPPO` imports Liger's Triton ops; triton installs and imports on CPU). TRL's
+and verl's fused lm heads load from their wheels without the trainers' stacks
+(`benchmarks/suites/_peer_modules.py`), as on the GPU machine (`tools/gpu_session.sh`)."""
 
 
 def render(data: dict[str, Any]) -> str:
@@ -212,7 +251,7 @@ def render(data: dict[str, Any]) -> str:
     )
     lines = [
         HEADER.replace("{minutes}", f"{minutes:.0f}" if minutes else "?"),
-        *glance(runs),
+        *glance.glance(runs),
         "",
         "## Targets",
         "",
@@ -227,8 +266,8 @@ def render(data: dict[str, Any]) -> str:
     ]
     reasons: list[str] = []  # a miss's reason, as a numbered note below the table
     for device, suites in runs.items():
-        for name in (n for n in SUITES if n in suites):
-            for t in suite_targets(name, suites[name], device):
+        for name in shown_suites(device, suites):
+            for t in suite_targets(name, suites.get(name), device):
                 verdict = t.verdict
                 head, sep, reason = verdict.partition(" (")
                 if sep and reason.endswith(")") and head.startswith("**not met**"):
@@ -251,6 +290,7 @@ def render(data: dict[str, Any]) -> str:
         if device in runs:
             lines += ["", f"Not measured yet on {device}:", ""]
             lines += [f"- rows named, or cases sized, `{text}`: {why}." for text, why in rows]
+            lines += [f"- suite `{n}`: {why}." for n, why in PENDING_SUITES.get(device, ())]
     if "cuda" not in runs:
         lines += [
             "",
@@ -259,67 +299,17 @@ def render(data: dict[str, Any]) -> str:
     if data.get("notes"):
         lines += ["", "## Notes", "", *[f"- {n}" for n in data["notes"]]]
     for device, suites in runs.items():
-        for name in (n for n in SUITES if n in suites):
-            suite = SUITES[name]
+        for name in shown_suites(device, suites):
+            suite, cuda = SUITES[name], device == "cuda"
             title = f"{suite.title} (`{name}`, {device})"
-            lines += render_record(title, list(suite.notes), suites[name], device == "cuda")
+            if name in suites:
+                lines += render_record(name, title, list(suite.notes), suites[name], cuda)
+            else:  # a pending suite: its rows, each not measured, with why
+                lines += ["", f"## {title}", "", f"- Not measured: {pending_suite(device, name)}."]
+                lines += [*[f"- {n}" for n in suite.notes], "", *_table_head(cuda)]
+                lines += [line for _, line in pending_rows(name, None, device)]
     lines += ["", "## Reference implementations", "", REFERENCES]
     return "\n".join(lines) + "\n"
-
-
-#: Peer families of the summary table: (label, test on an implementation's name).
-PEERS: tuple[tuple[str, Any], ...] = (
-    ("naive PyTorch", lambda impl: impl.startswith("naive")),
-    ("verl 0.9.1 (its functions, or op-for-op mirrors)", lambda impl: "verl" in impl),
-    ("TRL (op-for-op mirrors)", lambda impl: "TRL" in impl or impl.startswith("trl")),
-    ("Liger-Kernel", lambda impl: "Liger" in impl),
-    ("cut-cross-entropy", lambda impl: "cut-cross-entropy" in impl),
-)
-
-
-def glance(runs: dict[str, dict[str, Any]]) -> list[str]:
-    """The summary on top: per device and peer, our default path's time over the peer's,
-    median and range over the cases where both ran (each case's first ``ours`` row)."""
-    rows = []
-    for device, suites in runs.items():
-        for label, is_peer in PEERS:
-            ratios, suite_names = [], []
-            for name, record in suites.items():
-                results = [r for r in record_results(record) if r.times]
-                for op, size in dict.fromkeys((r.op, r.size) for r in results):
-                    case = [r for r in results if (r.op, r.size) == (op, size)]
-                    ours = next((r for r in case if r.role == "ours"), None)
-                    theirs = [r for r in case if r.role == "ref" and is_peer(r.impl)]
-                    if ours is None or not theirs:
-                        continue
-                    ratios += [t.median / ours.median for t in theirs]
-                    suite_names.append(name)
-            if ratios:
-                ratios.sort()
-                mid = (
-                    ratios[len(ratios) // 2]
-                    if len(ratios) % 2
-                    else (ratios[len(ratios) // 2 - 1] + ratios[len(ratios) // 2]) / 2
-                )
-                where = ", ".join(dict.fromkeys(suite_names))
-                rows.append(
-                    f"| {device} | {label} | {len(ratios)} ({where}) | {_x(mid)} | "
-                    f"{_x(ratios[0])} to {_x(ratios[-1])} |"
-                )
-    if not rows:
-        return []
-    return [
-        "",
-        "## At a glance",
-        "",
-        "Speed-up of our default path over each peer: the peer's median time over ours, per "
-        "case where both ran (above 1: faster than the peer; below 1: slower). The detail, "
-        "case by case, is in the sections below.",
-        "",
-        "| device | against | comparisons (suites) | speed-up, median | range |",
-        "|---|---|---|---|---|",
-        *rows,
-    ]
 
 
 REFERENCES = """`benchmarks/references.py` holds our own re-implementations of the peers' code paths,

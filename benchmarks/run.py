@@ -1,11 +1,12 @@
 """Run benchmark suites and regenerate docs/benchmarks.md (and docs/benchmarks.json).
 
-    python -m benchmarks.run                  # every suite: loss, advantages, logprobs, linear, compile
+    python -m benchmarks.run                  # every suite (benchmarks/suites/__init__.py)
     python -m benchmarks.run linear logprobs  # only these: their records and sections are replaced
     python -m benchmarks.run --quick          # smoke run of every suite (small shapes, few repeats)
     python -m benchmarks.run --device cuda    # the CUDA sections: CUDA-event timing,
                                               # max_memory_allocated, kernels per call
     python -m benchmarks.run --from-json docs/benchmarks.json   # re-render the page only
+    python -m benchmarks.run --drop-stale cuda   # drop the rows whose code was replaced
 
 The suites live in ``benchmarks/suites/``, the protocol in ``benchmarks/harness.py`` and
 ``benchmarks/memory.py``, the page in ``benchmarks/report.py``; ``python -m
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 
 import dapo_ops as d
-from benchmarks import report
+from benchmarks import report, stale
 from benchmarks.environment import loadavg, machine_description, peers
 from benchmarks.harness import Protocol, copy_bandwidth, warm_allocator
 from benchmarks.runner import run_case
@@ -52,6 +53,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--from-json", default=None, help="re-render the page from this JSON")
     p.add_argument(
+        "--drop-stale",
+        default=None,
+        metavar="DEVICE",
+        help="drop from DEVICE's records (in --json) the rows pending there again (their code "
+        "replaced since they ran) and the rows and cases the suites no longer have; re-render",
+    )
+    p.add_argument(
         "--note", action="append", default=None, help="notes for the page (replace the stored ones)"
     )
     args = p.parse_args(argv)
@@ -70,6 +78,14 @@ def command(args: argparse.Namespace, suite: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     json_path, md_path = Path(args.json), Path(args.out_md)
+    if args.drop_stale is not None:
+        data = report.load(json_path)
+        for line in stale.drop_stale(data, args.drop_stale):
+            print(line)
+        report.save(json_path, data)
+        md_path.write_text(report.render(data))
+        print(f"{json_path} and {md_path} written")
+        return 0
     if args.from_json is not None:
         data = report.load(Path(args.from_json))
         if args.note is not None:

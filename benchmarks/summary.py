@@ -60,7 +60,7 @@ def _loss_lines(record: dict[str, Any]) -> list[str]:
 def _linear_lines(record: dict[str, Any]) -> list[str]:
     """Headline figures of the linear suite: linear_policy_loss's time over naive's and
     Liger's, per case."""
-    from benchmarks.suites import linear
+    from benchmarks.suites import _linear_peers, linear
 
     parts = []
     for c in record["cases"]:
@@ -71,7 +71,7 @@ def _linear_lines(record: dict[str, Any]) -> list[str]:
         }
         ours, naive = get.get(linear.LINEAR), get.get(linear.NAIVE)
         liger = next(
-            (r for k, r in get.items() if k.startswith(linear.LIGER) and "eager" in k), None
+            (r for k, r in get.items() if k.startswith(_linear_peers.LIGER) and "eager" in k), None
         )
         if ours and naive:
             part = f"{c['op'].split(', ')[-1]} {c['size']} {_median(ours) / _median(naive):.2f}x"
@@ -122,7 +122,9 @@ def render(data: dict[str, Any]) -> str:
         limited = [t for t in targets if not t.recorded]
         met = sum(1 for t in limited if t.met)
         missed = [t.name for t in limited if t.met is False]
+        waiting = sum(1 for t in limited if t.met is None)
         line = f"- Targets: {met} of {len(limited)} met"
+        line += f" ({waiting} not measured yet)" if waiting else ""
         line += (
             f", {len(targets) - len(limited)} figures recorded"
             if len(targets) > len(limited)

@@ -39,3 +39,10 @@ def at_most(name: str, value: float | None, limit: float, unit: str, why: str = 
     if value is None:
         return Target(name, "n/a", f"<= {limit:.3g}{unit}", None, why or "not measured")
     return Target(name, f"{value:.3g}{unit}", f"<= {limit:.3g}{unit}", value <= limit)
+
+
+def at_least(name: str, value: float | None, limit: float, unit: str, why: str = "") -> Target:
+    """A measured quantity against a lower limit (``unit`` appended as written)."""
+    if value is None:
+        return Target(name, "n/a", f">= {limit:.3g}{unit}", None, why or "not measured")
+    return Target(name, f"{value:.3g}{unit}", f">= {limit:.3g}{unit}", value >= limit)

@@ -1,74 +1,208 @@
-"""The GPU targets of issue 30 for the Triton kernels, computed from made-up results (the
-real ones come from a GPU run): what each target reads, and what a row not measured
-says. Nothing here times anything."""
+"""Issue 37's GPU targets, computed from made-up results (the real ones come from a GPU
+run): which rows each suite has on which device, what each target reads, what a row not
+measured says; and how the peers' modules are loaded without their packages' stacks.
+Nothing here times anything."""
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 pytest.importorskip("benchmarks.run", reason="run from the repository root")
 
-import torch
+from benchmarks import stale
+from benchmarks.harness import Case, Result
+from benchmarks.pending import pending, stable
+from benchmarks.suites import _linear_gpu, _linear_peers, _peer_modules, linear, rows
 
-from benchmarks.harness import Result
-from benchmarks.suites import linear
-from benchmarks.suites._linear_gpu import CCE, TRITON, kernel_budget, triton_targets
-
-KERNELS = f"{linear.LINEAR}, {TRITON}"
 MiB = 2**20
+BIG, SMALL = "8192x4096x151936", "2048x896x32000"
+KEEP, RECOMPUTE = linear.setting("triton", True), linear.setting("triton", False)
 
 
-def test_the_7b_shape_and_the_gpu_rows_are_cuda_only() -> None:
+def _names(device: str) -> set[str]:
+    return {stable(i.name) for c in linear.make_cases(False, device) for i in c.impls}
+
+
+def test_each_device_has_its_rows_and_shapes() -> None:
     cuda = {(c.op, c.size) for c in linear.make_cases(False, "cuda")}
-    cpu = linear.make_cases(False, "cpu")
-    assert ("linear loss fwd+bwd, bf16", "8192x4096x151936") in cuda
-    assert ("linear loss fwd+bwd, fp32", "8192x4096x151936") not in cuda
-    assert all("8192x4096" not in c.size for c in cpu)
-    names = [i.name for c in cpu for i in c.impls]
-    assert not [n for n in names if CCE in n or TRITON in n]
-    cuda_names = {i.name for c in linear.make_cases(False, "cuda") for i in c.impls}
-    assert KERNELS in cuda_names and any(n.startswith(CCE) for n in cuda_names)
+    cpu = {(c.op, c.size) for c in linear.make_cases(False, "cpu")}
+    assert cuda == {
+        ("linear loss fwd+bwd, fp32", SMALL),
+        ("linear loss fwd+bwd, bf16", SMALL),
+        ("linear loss fwd+bwd, bf16", BIG),
+    }
+    assert {s for _, s in cpu} == {SMALL, "1024x896x151936"} and len(cpu) == 4
+    on_cuda, on_cpu = _names("cuda"), _names("cpu")
+    assert {KEEP, RECOMPUTE} <= on_cuda and not {KEEP, RECOMPUTE} & on_cpu
+    assert {linear.setting("two_pass", k) for k in (True, False)} <= on_cpu
+    for text in (_linear_peers.CCE, _linear_peers.VERL_TRITON):  # CUDA-only peers
+        assert any(text in n for n in on_cuda) and not any(text in n for n in on_cpu)
+    for text in (_linear_peers.TRL_HEAD, _linear_peers.VERL_TORCH, _linear_peers.LIGER):
+        assert any(text in n for n in on_cuda) and any(text in n for n in on_cpu)
 
 
-def test_kernel_budget_counts_the_accumulators() -> None:
-    """bf16 at the 7B shape: dh in float32 and bf16, dW in bf16, 132 programs' float32
-    rows of 64 x d, 64 MiB; fp32 (fp64): dh and dW in float32 (float64), no rows."""
-    n, d, v = 8192, 4096, 151936
-    want = n * d * 6 + v * d * 2 + 132 * 64 * d * 4 + 64 * MiB
-    assert kernel_budget(n, d, v, torch.bfloat16) == want
-    assert kernel_budget(n, d, v, torch.float32) == n * d * 4 + v * d * 4 + 64 * MiB
-    assert kernel_budget(n, d, v, torch.float64) == n * d * 8 + v * d * 8 + 64 * MiB
-
-
-def _result(impl: str, ms: float, mem_mib: float, size: str = "2048x896x32000") -> Result:
-    r = Result("linear", "linear loss fwd+bwd, bf16", size, impl, "ours", times=[ms] * 3)
+def _result(impl: str, ms: float, mem_mib: float, size: str = BIG) -> Result:
+    r = Result("linear", "linear loss fwd+bwd, bf16", size, impl, "ours", times=[ms / 1e3] * 3)
     r.mem_tensors = int(mem_mib * MiB)
     return r
 
 
-def test_triton_targets_read_each_row() -> None:
-    case = next(c for c in linear.make_cases(False, "cuda") if c.op.endswith("bf16"))
-    liger = next(i.name for i in case.impls if i.name.startswith(linear.LIGER))
-    cce = next(i.name for i in case.impls if i.name.startswith(CCE))
+def _case(size: str) -> Case:
+    return next(c for c in linear.make_cases(False, "cuda") if c.size == size and "bf16" in c.op)
+
+
+def _peers(ms: float) -> list[Result]:
+    names = [i.name for i in _case(BIG).impls]
+    texts = (
+        _linear_peers.CCE,
+        _linear_peers.TRL_HEAD,
+        _linear_peers.VERL_TRITON,
+        _linear_peers.VERL_TORCH,
+    )
+    return [_result(next(n for n in names if t in n), ms, 1.0) for t in texts]
+
+
+def test_the_7b_targets_read_each_row() -> None:
+    """Keep: 0.75x naive's time, 0.2x its memory (met); recompute: 1.1x (missed, with
+    the reason), 0.04x; every peer at 80 ms: beaten by keep (45 ms), not by recompute."""
     results = [
-        _result(KERNELS, 8.0, 100.0),
-        _result(linear.NAIVE, 10.0, 900.0),
-        _result(cce, 7.0, 90.0),
-        _result(liger, 20.0, 300.0),
+        _result(linear.NAIVE, 60.0, 10000.0),
+        _result(KEEP, 45.0, 2000.0),
+        _result(RECOMPUTE, 66.0, 400.0),
+        *_peers(50.0),
     ]
     got = {
-        t.name.split(": ")[-1]: t
-        for t in triton_targets(results, case, linear.NAIVE, liger, KERNELS)
+        t.name: t for t in _linear_gpu.targets(results, _case(BIG), linear.NAIVE, linear.setting)
     }
-    assert got["time / naive (goal 0.8x)"].met is True
-    assert got["time / cut-cross-entropy"].met is False  # 8 ms against 7
-    assert got["time / Liger (eager)"].met is True
-    assert got["extra peak / the naive path's"].met is True
-    budget = got["extra peak (gradients in their accumulation dtypes + 64 MiB)"]
-    assert budget.met is True and budget.measured == "100 MiB"
+    keep = (
+        f"linear_policy_loss(backend='triton', keep_logits=True), linear loss fwd+bwd, bf16, {BIG}"
+    )
+    again = keep.replace("True", "False")
+    assert got[f"{keep}: time / naive"].met is True
+    assert got[f"{keep}: time / naive"].limit == "<= 0.8x"
+    assert got[f"{keep}: extra peak / the naive path's"].met is True
+    assert got[f"{again}: time / naive"].met is False and got[f"{again}: time / naive"].reason
+    assert got[f"{again}: extra peak / the naive path's"].met is True  # 0.04 <= 0.05
+    for label, _ in _linear_gpu.PEERS:
+        assert got[f"{keep}: time / {label}"].met is True
+        assert got[f"{again}: time / {label}"].met is False
+    assert len(got) == 2 * (2 + len(_linear_gpu.PEERS))
+
+
+def test_the_small_shape_targets_memory_below_naive() -> None:
+    results = [
+        _result(linear.NAIVE, 2.0, 700.0, SMALL),
+        _result(KEEP, 1.9, 710.0, SMALL),
+        _result(RECOMPUTE, 2.1, 100.0, SMALL),
+    ]
+    got = _linear_gpu.targets(results, _case(SMALL), linear.NAIVE, linear.setting)
+    verdicts = [(t.name.split(": ")[-1], t.met) for t in got]
+    assert verdicts == [  # keep_logits=True, then False
+        ("time / naive", True),
+        ("extra peak / the naive path's", False),
+        ("time / naive", False),
+        ("extra peak / the naive path's", True),
+    ]
 
 
 def test_a_row_not_measured_says_why() -> None:
-    case = next(c for c in linear.make_cases(False, "cuda") if c.size == "8192x4096x151936")
-    targets = triton_targets([], case, linear.NAIVE, "", KERNELS)
-    assert targets and all(t.met is None and "GPU" in t.reason for t in targets)
+    for size in (BIG, SMALL):
+        targets = _linear_gpu.targets([], _case(size), linear.NAIVE, linear.setting)
+        assert targets and all(t.met is None and "GPU" in t.reason for t in targets)
+    assert pending("cuda", KEEP, SMALL) and pending("cuda", linear.LINEAR, SMALL)
+    assert pending("cpu", linear.LINEAR, SMALL) is None
+
+
+def test_row_kernel_floors_count_the_bytes() -> None:
+    n, v = 8192, 151936
+    assert rows.floor_bytes(rows.STATS, n, v) == n * v * 2 + n * (8 + 16)
+    assert rows.floor_bytes(rows.GRAD_A, n, v) == 2 * n * v * 2 + n * (8 + 3 * 4)
+    assert rows.floor_bytes(rows.GRAD_AB, n, v) == 2 * n * v * 2 + n * (8 + 4 * 4)
+    cuda = rows.make_cases(False, "cuda")
+    assert {c.size for c in cuda} == {"8192x151936 bf16"}
+    assert all(rows.TRITON in [i.name for i in c.impls] for c in cuda)
+    assert all(rows.TRITON not in [i.name for i in c.impls] for c in rows.make_cases(False, "cpu"))
+
+
+def test_row_kernel_targets_read_the_share_of_the_copy_bandwidth() -> None:
+    """At 3 TB/s copy bandwidth: a kernel moving its bytes in 1/(0.8 * 3e12) s per byte
+    meets the 70 % target; at half the bandwidth it misses, with a reason."""
+    bw, cases = 3e12, rows.make_cases(False, "cuda")
+    results = []
+    for c, share in zip(cases, (0.8, 0.5, 0.75), strict=True):
+        seconds = c.floor_bytes / (share * bw)
+        results.append(Result("rows", c.op, c.size, rows.TRITON, "ours", times=[seconds] * 3))
+    got = [t for t in rows.targets(results, cases, bw, "cuda") if rows.TRITON in t.name]
+    assert [t.met for t in got] == [True, False, True]
+    assert got[0].measured == "2400 GB/s, 0.8x" and got[1].reason
+    assert all(
+        t.recorded or t.met is None
+        for t in rows.targets(results, cases, bw, "cuda")
+        if rows.TRITON not in t.name
+    )
+
+
+def _fake_peer(root: Path) -> None:
+    """A package whose ``__init__`` fails (a missing training stack) and whose module
+    ``fake_peer.kernels.head`` imports its sibling absolutely, as verl's do."""
+    pkg = root / "fake_peer"
+    (pkg / "kernels").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("import a_stack_not_installed_here\n")
+    (pkg / "device.py").write_text("NAME = 'the peer device module'\n")
+    (pkg / "kernels" / "__init__.py").write_text("")
+    (pkg / "kernels" / "head.py").write_text(
+        "from fake_peer.device import NAME\n"
+        "from shimmed_lib.utils import flag\n"
+        "def head():\n    return NAME, flag()\n"
+    )
+
+
+def test_a_peer_module_loads_past_its_packages_init(tmp_path: Path) -> None:
+    _fake_peer(tmp_path)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        with _peer_modules._stand_in("shimmed_lib.utils", flag=lambda: "stood in"):
+            mod = _peer_modules.peer_module("fake_peer.kernels.head")
+        assert mod.head() == ("the peer device module", "stood in")
+        assert "shimmed_lib" not in sys.modules and "shimmed_lib.utils" not in sys.modules
+        assert Path(mod.__file__ or "").parent == tmp_path / "fake_peer" / "kernels"
+    finally:
+        sys.path.remove(str(tmp_path))
+        for name in [n for n in sys.modules if n.split(".")[0] == "fake_peer"]:
+            del sys.modules[name]
+
+
+def _record(rows: list[tuple[str, str, str]]) -> dict[str, Any]:
+    meta = {"quick": False, "date": "2026-11-26 14:43 UTC"}
+    cases = [{"op": op, "size": size} for op, size in dict.fromkeys((o, s) for o, s, _ in rows)]
+    results = [{"op": o, "size": s, "impl": i, "times": [1.0]} for o, s, i in rows]
+    return {"meta": meta, "cases": cases, "results": results}
+
+
+def test_drop_stale_drops_replaced_rows_and_gone_cases() -> None:
+    """A CUDA record's row of code replaced since (pending again) and its case the suite
+    no longer has on CUDA go, each named in the record; the naive row stays."""
+    fp32, bf16 = "linear loss fwd+bwd, fp32", "linear loss fwd+bwd, bf16"
+    data: dict[str, Any] = {
+        "runs": {
+            "cuda": {
+                "linear": _record(
+                    [
+                        (fp32, SMALL, linear.NAIVE),
+                        (fp32, SMALL, linear.LINEAR),
+                        (bf16, "1024x896x151936", linear.NAIVE),
+                    ]
+                )
+            }
+        }
+    }
+    log = stale.drop_stale(data, "cuda")
+    record = data["runs"]["cuda"]["linear"]
+    assert [r["impl"] for r in record["results"]] == [linear.NAIVE]
+    assert record["cases"] == [{"op": fp32, "size": SMALL}]
+    assert len(log) == 2 and len(record["meta"]["dropped"]) == 2
+    assert stale.drop_stale(data, "cuda") == []  # nothing left to drop

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 pytest.importorskip("benchmarks.run", reason="run from the repository root")
 
 from benchmarks import report, summary  # noqa: E402
-from benchmarks.pending import pending  # noqa: E402
+from benchmarks.pending import PENDING, PENDING_SUITES, pending, stable  # noqa: E402
 from benchmarks.suites import SUITES  # noqa: E402
 
 DATA = report.load(ROOT / "docs" / "benchmarks.json")
@@ -62,8 +62,11 @@ def test_results_cover_the_current_suite(device: str, suite: str) -> None:
     }
     # rows the page lists as not measured yet on this device (benchmarks.pending.PENDING, with why)
     waiting = {row for row in harness - measured if pending(device, row[2], row[1])}
-    assert not {row for row in measured if pending(device, row[2], row[1])}, (
-        "measured now: remove them from benchmarks.pending.PENDING"
+    held = [r for r in record["results"] if pending(device, r["impl"], r["size"])]
+    assert not held, (
+        "measured now: remove them from benchmarks.pending.PENDING; or rows of code "
+        f"replaced since they ran: python -m benchmarks.run --drop-stale {device}",
+        sorted({(r["op"], r["size"], r["impl"]) for r in held}),
     )
     harness -= waiting
     assert harness == measured, {
@@ -83,3 +86,45 @@ def test_every_missed_target_gives_its_reason() -> None:
         if t.met is False and not t.reason
     ]
     assert not silent, "missed targets without a reason:\n" + "\n".join(silent)
+
+
+def test_pending_suites_have_no_record() -> None:
+    """A suite listed as not measured on a device (PENDING_SUITES) that has a record there
+    now is measured: its entry goes."""
+    for device, entries in PENDING_SUITES.items():
+        for name, _ in entries:
+            assert name in SUITES, f"PENDING_SUITES names an unknown suite: {name}"
+            assert name not in DATA["runs"].get(device, {}), (
+                f"measured now: remove {name!r} from benchmarks.pending.PENDING_SUITES[{device!r}]"
+            )
+
+
+def test_every_pending_entry_names_a_row() -> None:
+    """An entry of PENDING that matches no row of any suite on its device is dead."""
+    for device, entries in PENDING.items():
+        rows = [
+            (i.name, c.size)
+            for suite in SUITES.values()
+            for c in suite.make_cases(False, device)
+            for i in c.impls
+        ]
+        for text, _ in entries:
+            assert any(text in impl or text == size for impl, size in rows), text
+
+
+def test_no_gpu_row_without_a_figure_or_its_reason() -> None:
+    """Every row of every suite on a device with records is on the page: with the figures
+    its record holds, or as not measured with why (pending), or as a peer's row."""
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    for device, suites in DATA["runs"].items():
+        for name, record in suites.items():
+            held = {(r["op"], r["size"], stable(r["impl"])) for r in record["results"]}
+            for c in SUITES[name].make_cases(record["meta"]["quick"], device):
+                for i in c.impls:
+                    if (c.op, c.size, stable(i.name)) in held or _peer_row(i.name):
+                        continue
+                    why = pending(device, i.name, c.size)
+                    assert why, f"{device} {name}: {c.op} {c.size} {i.name}: no figure, no reason"
+                    assert f"| {c.op} {c.size} | **{stable(i.name)}** | not measured" in page or (
+                        f"| {c.op} {c.size} | {stable(i.name)} | not measured" in page
+                    )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from benchmarks.harness import Suite
-from benchmarks.suites import advantages, compile_time, distill, linear, logprobs, loss
+from benchmarks.suites import advantages, compile_time, distill, linear, logprobs, loss, rows
 
 SUITES: dict[str, Suite] = {
     s.name: s
@@ -12,6 +12,7 @@ SUITES: dict[str, Suite] = {
         advantages.SUITE,
         logprobs.SUITE,
         linear.SUITE,
+        rows.SUITE,
         distill.SUITE,
         compile_time.SUITE,
     )

@@ -4,7 +4,6 @@ numbers of one run (never written by hand)."""
 from __future__ import annotations
 
 from benchmarks.harness import Case, Result, Target, find
-from benchmarks.pending import pending
 from benchmarks.suites._loss_variants import VERL_STEP
 from benchmarks.targets import at_most, because, compare
 
@@ -13,7 +12,6 @@ EAGER = "dapo_ops token_level_loss (default, eager)"
 COMPILED = "dapo_ops token_level_loss(compiled=True)"
 USER_COMPILED = "torch.compile(token_level_loss)"
 AOT = "dapo_ops CompiledPolicyLoss(ClipHigher(dual_clip=3)) (ahead of time)"
-TRITON_AOT = "dapo_ops CompiledPolicyLoss(ClipHigher(dual_clip=3), backend='triton')"
 COMPOSITION = "dapo_ops surrogate + aggregate, unfused (the autograd reference)"
 EXP = "yardstick: one torch.exp pass over [B, S] (out=)"
 LOSS = "token_level_loss fwd+bwd"
@@ -42,15 +40,14 @@ def targets(
         if r.kernels is not None:
             name = f"{r.impl}, fwd+bwd 512x8192: kernels launched per step"
             out.append(Target(name, str(r.kernels), "—", None, recorded=True))
-    if device != "cpu":
-        out += _triton_targets(results, big, bandwidth)
     verl = find(results, LOSS, "512x8192", VERL_STEP)
     if device != "cpu" and verl is not None and verl.times:
         for impl in shown:
-            r = find(results, LOSS, "512x8192", impl)
-            if r is not None and r.times:
+            res = find(results, LOSS, "512x8192", impl)
+            if res is not None and res.times:
                 name = f"{impl}, fwd+bwd 512x8192: x faster than the verl-style step"
-                out.append(Target(name, f"{verl.median / r.median:.3g}x", "—", None, recorded=True))
+                x = verl.median / res.median
+                out.append(Target(name, f"{x:.3g}x", "—", None, recorded=True))
     return out
 
 
@@ -103,19 +100,3 @@ def _floor_reason(
         f"guards) exceeds the floor at this size: the same path at 512x8192, that cost spread "
         f"over 16x the tokens, is {x:.2g}x it"
     )
-
-
-def _triton_targets(results: list[Result], big: Case | None, bandwidth: float) -> list[Target]:
-    """Issue 30's limits for the loss from log-probs on a GPU, at 512x8192 fwd+bwd: at most
-    3 kernel launches per step and 5x the bandwidth floor (one kernel forward, one
-    backward, autograd's seed of the incoming gradient)."""
-    r = find(results, LOSS, "512x8192", TRITON_AOT)
-    why = (r.error if r is not None else "") or pending("cuda", TRITON_AOT) or "not in this run"
-    ran = r is not None and bool(r.times)
-    x = r.median / (big.floor_bytes / bandwidth) if ran and big and bandwidth > 0 else None
-    kernels = float(r.kernels) if r is not None and r.kernels is not None else None
-    name = f"{TRITON_AOT}, fwd+bwd 512x8192"
-    return [
-        at_most(f"{name}: kernels launched per step", kernels, 3, "", why),
-        at_most(f"{name}: x the bandwidth floor", x, 5, "x", why),
-    ]

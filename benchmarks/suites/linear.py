@@ -4,11 +4,13 @@ Every row computes DAPO's token-mean Clip-Higher loss (0.2 / 0.28, no KL) from
 ``hidden [batch, 1024, d]``, ``W [vocab, d]`` and the sampled tokens, and the gradients of
 ``hidden`` and ``W``: ``naive`` (``h @ W.T``, ``log_softmax`` in float32, ``gather``, then
 ``policy_loss``), ``composed`` (``fused_logprobs_entropy`` + ``policy_loss``),
-``linear_policy_loss`` (one chunked pass, gradients computed in the forward), Liger-Kernel's
-``LigerFusedLinearGRPOLoss`` (eager, and compiled in full runs) and verl 0.9.1's
-``FusedLinearForPPO`` (torch backend) + ``policy_loss``. Times are in units of one
-forward ``h @ W.T`` measured in the same run; extra peak memory (fresh process, live
-tensors) as a multiple of the float32 logits.
+``linear_policy_loss`` by default (CPU: the chunked path) and with each memory setting of
+the two-pass design (``keep_logits=True``: 3 products; ``False``: 4; ``backend="triton"``
+on a GPU, ``"two_pass"``, the same design with ATen row functions, on CPU), and the
+peers' own lm heads followed by the same ``policy_loss`` (``_linear_peers.py``: Liger,
+cut-cross-entropy, TRL's and verl's fused heads). Times are in units of one forward
+``h @ W.T`` measured in the same run; extra peak memory (fresh process, live tensors; CUDA:
+``max_memory_allocated``) as a multiple of the float32 logits.
 """
 
 from __future__ import annotations
@@ -19,31 +21,25 @@ from typing import Any
 import torch
 
 import dapo_ops as d
-from benchmarks.environment import installed
-from benchmarks.harness import Case, Fn, Impl, Result, Suite, Target
-from benchmarks.suites._linear_gpu import CCE, TRITON, cce_loss, cce_name, no_cce, triton_targets
+from benchmarks.harness import Case, Fn, Impl, Result, Suite, Target, for_device
+from benchmarks.suites import _linear_gpu as gpu
+from benchmarks.suites import _linear_peers as peers
+from benchmarks.suites._linear_peers import LIGER
 from benchmarks.targets import at_most, because, compare
-from dapo_ops.logprobs._fused_linear import WEIGHT_BLOCK_ROWS
 
 UNIT = "one h @ W.T (forward matmul; the time unit)"
 NAIVE = "naive: h @ W.T, log_softmax, gather, policy_loss"
 COMPOSED = "composed: fused_logprobs_entropy + policy_loss"
 LINEAR = "dapo_ops linear_policy_loss"
-LINEAR_FN = "linear_policy_loss"  # being written; the row says so until it lands
-LIGER = "Liger LigerFusedLinearGRPOLoss"
 #: logits elements per chunk of linear_policy_loss's default (chunk_size=None), if the
 #: library's own figure (dapo_ops.logprobs._fused_linear) cannot be read
 CHUNK_ELEMENTS = {"cpu": 2**25, "other": 2**27}
 SCRATCH = 8 * 2**20  # the entropies' scratch buffer (docs/linear_loss.md)
-LIGER_OPTIONS: dict[str, Any] = {
-    "loss_type": "dapo",
-    "beta": 0.0,
-    "epsilon_low": 0.2,
-    "epsilon_high": 0.28,
-    "temperature": 1.0,
-    "use_ref_model": False,
-    "chunk_size": 1,
-}
+
+
+def setting(backend: str, keep: bool) -> str:
+    """The row of ``linear_policy_loss(..., backend=backend, keep_logits=keep)``."""
+    return f"{LINEAR}, backend='{backend}', keep_logits={keep}"
 
 
 def linear_inputs(
@@ -57,8 +53,7 @@ def linear_inputs(
     h = torch.empty(*shape, dim).normal_(generator=g)
     w = torch.empty(vocab, dim).normal_(0.0, 2.0 / dim**0.5, generator=g)
     tok = torch.randint(0, vocab, shape, generator=g)
-    with torch.no_grad():
-        logp = d.fused_logprobs_entropy(h, w, tok).logp
+    logp = _logp_of(h.to(device), w.to(device), tok.to(device)).cpu()
     out = {
         "hidden": h.to(dtype),
         "weight": w.to(dtype),
@@ -68,6 +63,18 @@ def linear_inputs(
         "mask": torch.rand(shape, generator=g) > 0.1,
     }
     return {k: v.to(device) for k, v in out.items()}
+
+
+def _logp_of(h: torch.Tensor, w: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+    """The sampled tokens' float32 log-probs, 1024 tokens at a time (no library code)."""
+    with torch.no_grad():
+        rows = [
+            torch.log_softmax(hs @ w.T, dim=-1).gather(-1, ts.unsqueeze(-1)).squeeze(-1)
+            for hs, ts in zip(
+                torch.split(h.flatten(0, -2), 1024), torch.split(tok.flatten(), 1024), strict=True
+            )
+        ]
+    return torch.cat(rows).view(tok.shape)
 
 
 def _step(
@@ -95,49 +102,16 @@ def _naive(h: torch.Tensor, w: torch.Tensor, x: dict[str, Any]) -> torch.Tensor:
     return _loss(logp_all.gather(-1, x["tokens"].unsqueeze(-1)).squeeze(-1), x)
 
 
-def _liger(compiled: bool) -> Callable[[torch.Tensor, torch.Tensor, dict[str, Any]], torch.Tensor]:
-    def loss_of(h: torch.Tensor, w: torch.Tensor, x: dict[str, Any]) -> torch.Tensor:
-        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss  # type: ignore[import-not-found]
-
-        fn = LigerFusedLinearGRPOLoss(compiled=compiled, **LIGER_OPTIONS)
-        loss, _ = fn(h, w, x["tokens"], x["mask"].long(), x["adv"], old_per_token_logps=x["old"])
-        return loss  # type: ignore[no-any-return]
-
-    return loss_of
-
-
-def _verl(h: torch.Tensor, w: torch.Tensor, x: dict[str, Any]) -> torch.Tensor:
-    from verl.utils.experimental.torch_functional import FusedLinearForPPO  # type: ignore[import-not-found]
-
-    logp, _ = FusedLinearForPPO()(h, w, x["tokens"])
-    return _loss(logp, x)
-
-
-def no_triton() -> str | None:
-    """Why the Triton kernels' row cannot run here (they need a CUDA device), or None."""
-    if not installed("triton"):
-        return "triton is not installed (it ships with CUDA builds of torch)"
-    return None if torch.cuda.is_available() else "backend='triton' runs on CUDA devices only"
-
-
-def for_device(impls: list[Impl], device: str) -> list[Impl]:
-    """The implementations that belong to a device's suite: the Triton kernels' and
-    cut-cross-entropy's rows only on CUDA (on a CPU they would say they cannot run)."""
-    return [i for i in impls if device == "cuda" or not (TRITON in i.name or CCE in i.name)]
+def _ours(**options: Any) -> Callable[[dict[str, Any]], Fn]:
+    return _step(
+        lambda h, w, x: d.linear_policy_loss(
+            h, w, x["tokens"], x["old"], x["adv"], x["mask"], **options
+        )
+    )
 
 
 def impls(quick: bool) -> list[Impl]:
-    liger, verl = installed("liger_kernel"), installed("verl")
-    no_liger = (
-        None if liger else "liger_kernel is not installed (pip install --no-deps liger-kernel)"
-    )
-    no_verl = None if verl else "verl is not installed (pip install --no-deps verl==0.9.1)"
-    no_linear = (
-        None
-        if hasattr(d, "linear_policy_loss")
-        else "dapo_ops.linear_policy_loss is not in this dapo_ops"
-    )
-    tag_liger = f"{LIGER} {liger} (installed)" if liger else f"{LIGER} (not installed)"
+    """Every row of the suite, on every device (:func:`for_device` picks a device's)."""
     out = [
         Impl(UNIT, "unit", lambda x: lambda: x["hidden"] @ x["weight"].T),
         Impl(NAIVE, "ref", _step(_naive)),
@@ -146,71 +120,34 @@ def impls(quick: bool) -> list[Impl]:
             "ours",
             _step(lambda h, w, x: _loss(d.fused_logprobs_entropy(h, w, x["tokens"]).logp, x)),
         ),
-        Impl(
-            LINEAR,
-            "ours",
-            _step(
-                lambda h, w, x: getattr(d, LINEAR_FN)(
-                    h, w, x["tokens"], x["old"], x["adv"], x["mask"]
-                )
-            ),
-            missing=no_linear,
-        ),
-        Impl(
-            f"{LINEAR}, {TRITON}",
-            "ours",
-            _step(
-                lambda h, w, x: d.linear_policy_loss(
-                    h, w, x["tokens"], x["old"], x["adv"], x["mask"], backend="triton"
-                )
-            ),
-            missing=no_triton(),
-        ),
-        Impl(f"{tag_liger}, eager", "ref", _step(_liger(False)), missing=no_liger),
-        Impl(cce_name(), "ref", _step(cce_loss(_loss)), missing=no_cce()),
+        Impl(LINEAR, "ours", _ours()),
     ]
-    if not quick:
-        out.append(
+    for backend, device in (("two_pass", "cpu"), ("triton", "cuda")):
+        out += [
             Impl(
-                f"{tag_liger}, compiled",
-                "ref",
-                _step(_liger(True)),
-                compiled=True,
-                missing=no_liger,
+                setting(backend, keep),
+                "ours",
+                _ours(backend=backend, keep_logits=keep),
+                missing=gpu.no_triton() if backend == "triton" else None,
+                devices=(device,),
             )
-        )
-    tag_verl = f"verl {verl} (installed)" if verl else "verl (not installed)"
-    out.append(
-        Impl(f"{tag_verl} FusedLinearForPPO + policy_loss", "ref", _step(_verl), missing=no_verl)
-    )
-    return out
+            for keep in (True, False)
+        ]
+    return out + peers.impls(quick, _step, _loss)
 
-
-#: Why linear_policy_loss misses the time targets on a GPU, read off torch.profiler's
-#: kernel tables of both paths on an H100 (``python -m benchmarks.profile_linear``).
-GPU_REASON = (
-    "H100 kernel tables, python -m benchmarks.profile_linear: the three matmuls take what "
-    "the naive path's take; the rest is G formed in two elementwise passes (exp_, mul_) "
-    "where the naive backward's softmax backward is one fused kernel, and the chunks' "
-    "float32/bf16 copies; eager PyTorch cannot fuse these (a Triton epilogue would: not "
-    "written)"
-)
-GPU_REASON_BF16 = (
-    f"; in bf16 the weight gradient is also formed {WEIGHT_BLOCK_ROWS} vocabulary rows at "
-    "a time (WEIGHT_BLOCK_ROWS: small matmuls, upcasts and adds per chunk; 32768-row blocks were "
-    "tried on the H100 and were no faster)"
-)
 
 SIZES = [(2048, 896, 32000), (1024, 896, 151936)]
-#: On a GPU also issue 30's 7B-scale shape, in bfloat16 only.
-GPU_SIZES = [(8192, 4096, 151936)]
+#: On a GPU: the issue's two shapes, 2048x896x32000 in both dtypes and the 7B-scale one
+#: in bfloat16 (1024x896x151936 is CPU-only: no GPU target reads it).
+GPU_SIZES = [((2048, 896, 32000), "both"), ((8192, 4096, 151936), "bf16")]
 QUICK_SIZES = [(512, 128, 8192)]
 
 
 def memory_budget(n: int, dim: int, v: int, dtype: torch.dtype, device: str) -> int:
-    """The memory target: the gradients every method returns (dW and dh, summed in float32,
-    plus their bfloat16 copies for bfloat16 inputs) + one default chunk's temporaries (its
-    float32 logits and their gradient, a bfloat16 copy for bfloat16 inputs) + the scratch."""
+    """The chunked path's memory target: the gradients every method returns (dW and dh,
+    summed in float32, plus their bfloat16 copies for bfloat16 inputs) + one default
+    chunk's temporaries (its float32 logits and their gradient, a bfloat16 copy for
+    bfloat16 inputs) + the scratch."""
     try:
         from dapo_ops.logprobs._fused_linear import DEFAULT_FUSED_CHUNK_ELEMENTS as elements
     except ImportError:
@@ -220,12 +157,18 @@ def memory_budget(n: int, dim: int, v: int, dtype: torch.dtype, device: str) -> 
     return (v * dim + n * dim) * per + rows * v * (4 + per) + SCRATCH
 
 
+def sizes(quick: bool, device: str) -> list[tuple[tuple[int, int, int], tuple[torch.dtype, ...]]]:
+    both: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
+    if quick:
+        return [(s, both) for s in QUICK_SIZES]
+    if device == "cpu":
+        return [(s, both) for s in SIZES]
+    return [(s, both if which == "both" else (torch.bfloat16,)) for s, which in GPU_SIZES]
+
+
 def make_cases(quick: bool, device: str) -> list[Case]:
     cases = []
-    both, bf16 = (torch.float32, torch.bfloat16), (torch.bfloat16,)
-    sizes = [(s, both) for s in (QUICK_SIZES if quick else SIZES)]
-    sizes += [(s, bf16) for s in GPU_SIZES if device == "cuda" and not quick]
-    for (n, dim, v), dtypes in sizes:
+    for (n, dim, v), dtypes in sizes(quick, device):
         for dtype in dtypes:
             name = "fp32" if dtype == torch.float32 else "bf16"
             cases.append(
@@ -253,6 +196,9 @@ def make_cases(quick: bool, device: str) -> list[Case]:
 def targets(
     results: list[Result], cases: list[Case], bandwidth: float, device: str = "cpu"
 ) -> list[Target]:
+    """Per case, the default ``linear_policy_loss`` against the naive path, Liger (eager)
+    and the time unit, and (CPU: the chunked path) its memory budget; on a GPU issue 37's
+    targets for the two memory settings (:func:`benchmarks.suites._linear_gpu.targets`)."""
     out = []
     for c in cases:
         rs = {r.impl: r for r in results if (r.op, r.size) == (c.op, c.size)}
@@ -260,37 +206,22 @@ def targets(
         liger = next(
             (r for k, r in rs.items() if k.startswith(LIGER) and k.endswith("eager")), None
         )
-        where = f"{c.op}, {c.size}"
-        out += [
-            compare(
-                f"linear_policy_loss, {where}: time / naive", ours, rs.get(NAIVE), 1.0, faster=False
-            ),
-            compare(
-                f"linear_policy_loss, {where}: time / Liger (eager)", ours, liger, 1.0, faster=False
-            ),
-            compare(
-                f"linear_policy_loss, {where}: time in one h @ W.T",
-                ours,
-                rs.get(UNIT),
-                3.3,
-                faster=False,
-            ),
+        where = f"linear_policy_loss, {c.op}, {c.size}"
+        rows = [
+            compare(f"{where}: time / naive", ours, rs.get(NAIVE), 1.0, faster=False),
+            compare(f"{where}: time / Liger (eager)", ours, liger, 1.0, faster=False),
+            compare(f"{where}: time in one h @ W.T", ours, rs.get(UNIT), 3.3, faster=False),
         ]
-        limit = c.limit_bytes / 2**20
-        mem = ours.mem / 2**20 if ours is not None and ours.mem is not None else None
-        why = (ours.error if ours is not None else None) or ""
-        out.append(
-            at_most(
-                f"linear_policy_loss, {where}: extra peak (live tensors)", mem, limit, " MiB", why
-            )
-        )
-    out = [_reason(t, results, device) for t in out]
-    if device == "cuda":
-        for c in cases:
-            liger = next(
-                (i.name for i in c.impls if i.name.startswith(LIGER) and "eager" in i.name), ""
-            )
-            out += triton_targets(results, c, NAIVE, liger, f"{LINEAR}, {TRITON}")
+        if device == "cpu":  # the chunked path's budget; the two-pass one's is issue 37's
+            mem = ours.mem / 2**20 if ours is not None and ours.mem is not None else None
+            why = (ours.error if ours is not None else None) or ""
+            name = f"{where}: extra peak (live tensors)"
+            rows.append(at_most(name, mem, c.limit_bytes / 2**20, " MiB", why))
+        rows = [_reason(t, results, device) for t in rows]
+        if device == "cuda":
+            rows = [gpu.pending_reason(t, LINEAR, c.size) for t in rows]
+            rows += gpu.targets(results, c, NAIVE, setting)
+        out += rows
     return out
 
 
@@ -298,7 +229,7 @@ def _reason(t: Target, results: list[Result], device: str) -> Target:
     if device == "cpu":  # only the bf16 unit target is missed there
         reason = "in bf16 one h @ W.T is fast next to the float32 softmax passes"
     else:
-        reason = GPU_REASON + (GPU_REASON_BF16 if "bf16" in t.name else "")
+        reason = gpu.GPU_REASON
     if "h @ W.T" in t.name and "bf16" in t.name:
         size = t.name.split(", ")[-1].split(":")[0]
         rs = {r.impl: r for r in results if r.size == size and "bf16" in r.op and r.times}
@@ -316,16 +247,22 @@ SUITE = Suite(
     notes=(
         "`x unit` = median / the median of one forward `h @ W.T` in the same dtype, same "
         "run (3 matmuls plus the softmax is the ideal fwd+bwd, about 3.3 units).",
-        "Memory target (`memory_budget`): extra peak <= the gradients every method returns "
-        "(dW and dh summed in float32, plus their bfloat16 copies for bfloat16 inputs) + one "
-        "chunk of `linear_policy_loss`'s default size (`chunk_size=None`: 2^25 logits "
-        "elements on CPU, 2^27 on GPUs; its float32 logits and their gradient, a bfloat16 "
-        "copy for bfloat16 inputs) + its 8 MiB scratch.",
+        "Memory target of the CPU's default, the chunked path (`memory_budget`): extra peak "
+        "<= the gradients every method returns (dW and dh summed in float32, plus their "
+        "bfloat16 copies for bfloat16 inputs) + one chunk of the default size "
+        "(`chunk_size=None`: 2^25 logits elements on CPU; its float32 logits and their "
+        "gradient, a bfloat16 copy for bfloat16 inputs) + its 8 MiB scratch. On a GPU the "
+        "default is the two-pass design; its memory targets are issue 37's, against the "
+        "naive path's extra peak.",
         "Liger: `LigerFusedLinearGRPOLoss(loss_type='dapo', beta=0, epsilon_low=0.2, "
-        "epsilon_high=0.28, use_ref_model=False, chunk_size=1)` (plain PyTorch chunking; "
-        "its Triton kernels are not used by this loss); it computes no entropy. verl: "
-        "`FusedLinearForPPO()` (torch backend, chunk 512) returns log-probs and entropy, "
-        "then the same `policy_loss`. A row that cannot run here shows its exact error.",
+        "epsilon_high=0.28, use_ref_model=False, chunk_size=1)` (plain PyTorch chunking); it "
+        "computes no entropy. TRL 1.16: `ChunkedLogProbFunction.apply(h, W, None, ids, 1.0, "
+        "32768, None, 1.0, ('log_probs', 'entropy'))` as its GRPO trainer's fused head calls "
+        "it (on a GPU the valid positions only, scattered back). verl 0.9.1: "
+        "`linear_cross_entropy(h, W, ids, 1.0, 'none')` (Triton, CUDA only) and "
+        "`FusedLinearForPPO()` (torch, chunk 512), each returning log-probs and entropy. "
+        "Each peer's log-probs then feed the same `policy_loss`; a row that cannot run "
+        "here shows its exact error.",
         "bf16 rows: hidden and W in bfloat16 (the matmuls in bf16, the softmax and loss in "
         "float32 in every method).",
     ),

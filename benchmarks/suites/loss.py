@@ -15,7 +15,7 @@ import torch
 
 import dapo_ops as d
 from benchmarks import references as ref
-from benchmarks.harness import Case, Fn, Impl, Suite
+from benchmarks.harness import Case, Fn, Impl, Suite, for_device
 from benchmarks.suites._inputs import LossInputs, fwd, fwd_bwd, leaf, loss_inputs
 from benchmarks.suites._loss_targets import (
     AOT as AOT,
@@ -51,9 +51,6 @@ from benchmarks.suites._loss_targets import (
     OBJ as OBJ,
 )
 from benchmarks.suites._loss_targets import (
-    TRITON_AOT as TRITON_AOT,
-)
-from benchmarks.suites._loss_targets import (
     USER_COMPILED as USER_COMPILED,
 )
 from benchmarks.suites._loss_targets import (
@@ -62,7 +59,6 @@ from benchmarks.suites._loss_targets import (
 from benchmarks.suites._loss_variants import VERL_STEP as VERL_STEP
 from benchmarks.suites._loss_variants import kl_is_impls, objective_impls
 from benchmarks.suites._peers import installed_verl_loss
-from benchmarks.suites.linear import for_device, no_triton
 
 
 def _loss_impls(backward: bool, quick: bool) -> list[Impl]:
@@ -118,16 +114,11 @@ def _loss_impls(backward: bool, quick: bool) -> list[Impl]:
         fn = d.CompiledPolicyLoss(d.ClipHigher(dual_clip=DUAL))
         return wrap(lambda lp: fn(lp, x.old, x.adv, x.mask), x.logp)
 
-    def triton_aot(x: LossInputs) -> Fn:
-        fn = d.CompiledPolicyLoss(d.ClipHigher(dual_clip=DUAL), backend="triton")
-        return wrap(lambda lp: fn(lp, x.old, x.adv, x.mask), x.logp)
-
     no_aot = None if hasattr(d, "CompiledPolicyLoss") else "not in this dapo_ops"
     impls = [
         Impl(EAGER, "ours", public),
         Impl(COMPILED, "ours", lambda x: public(x, True), compiled=True),
         Impl(AOT, "ours", aot, compiled=True, missing=no_aot),
-        Impl(TRITON_AOT, "ours", triton_aot, missing=no_triton()),
     ]
     if not quick:
         impls.append(Impl(USER_COMPILED, "ours", user_compiled, compiled=True))
@@ -187,7 +178,7 @@ def make_cases(quick: bool, device: str) -> list[Case]:
         impls = for_device(_loss_impls(True, quick), device)
         cases.append(case(LOSS, b, s, impls, 13, memory="all", memory_quick=s == 4096))
     for b, s in big:
-        keep = (EAGER, COMPILED, AOT, TRITON_AOT, EXP, VERL_STEP)
+        keep = (EAGER, COMPILED, AOT, EXP, VERL_STEP)
         impls = [i for i in for_device(_loss_impls(True, quick), device) if i.name in keep]
         cases.append(case(BACK_TO_BACK, b, s, impls, 13, back_to_back=True))
     for b, s in fwd_shapes:
