@@ -70,8 +70,10 @@ def _count_check(count: object, valid: Tensor | None) -> Iterator[_Check]:
     total = valid.sum()
     yield _Check(
         total > count,
-        lambda: f"skip_padding={count} is below the batch's valid tokens ({int(total)}): "
-        "the loss would leave tokens out",
+        lambda: (
+            f"skip_padding={count} is below the batch's valid tokens ({int(total)}): "
+            "the loss would leave tokens out"
+        ),
     )
 
 
