@@ -7,6 +7,9 @@
   multiplication (``0 * inf`` is NaN); :func:`masked`.
 - **Options**: the aggregation modes (:data:`AggregationMode`) and what ``normalizer=``
   accepts (:data:`Normalizer`).
+- **Kinks**: a clamp, clip or cap acts only strictly beyond its bound; on the bound the
+  gradient passes (:func:`clip`, :func:`magnitude`), the same on every torch
+  (docs/kinks.md).
 """
 
 from __future__ import annotations
@@ -48,13 +51,45 @@ def masked(valid: Tensor, values: Tensor) -> Tensor:
     return torch.where(valid, values, torch.zeros((), dtype=values.dtype, device=values.device))
 
 
+def clip(
+    values: Tensor, low: Tensor | float | None = None, high: Tensor | float | None = None
+) -> Tensor:
+    """``torch.clamp(values, low, high)``, with the library's gradient at the bounds.
+
+    The value is clamp's. The gradient is 1 where ``low <= values <= high``, *a bound
+    itself included*, and 0 strictly beyond a bound and at NaN, on every torch:
+    ``torch.clamp``'s own gradient on a bound is 1 up to torch 2.13 and 0 (number
+    bounds) or 1/2 (tensor bounds) from torch 2.14, so no differentiated path may lean on
+    it. Without autograd (no grad mode, or ``values`` not requiring grad) it is clamp.
+
+    Example:
+        >>> x = torch.tensor([0.8, 1.28, 1.5], requires_grad=True)
+        >>> clip(x, 0.8, 1.28).sum().backward()
+        >>> x.grad
+        tensor([1., 1., 0.])
+    """
+    bounded = torch.clamp(values, low, high)  # type: ignore[arg-type]  # mixed bounds work
+    if not (torch.is_grad_enabled() and values.requires_grad):
+        return bounded
+    return torch.where(bounded == values, values, bounded.detach())
+
+
+def magnitude(values: Tensor) -> Tensor:
+    """``|values|`` with the gradient ``sign(values)`` stated, 0 at 0 (the kink)."""
+    if not (torch.is_grad_enabled() and values.requires_grad):
+        return values.abs()
+    return torch.where(values == 0, values.detach().abs(), values * torch.sign(values).detach())
+
+
 def safe_divide(num: Tensor, den: Tensor | float) -> Tensor:
     """``num / den``, with a zero ``den`` replaced by 1, so the value and gradient stay finite.
 
     Every caller divides a sum by a count of what it sums (tokens, sequences, samples):
     a zero count means an empty sum, and the result is then 0, never NaN.
     """
-    den_t = torch.as_tensor(den, dtype=num.dtype, device=num.device)
+    if not isinstance(den, Tensor):  # a host number: no tensor made of it (a copy to the device)
+        return num / (den if den != 0 else 1.0)
+    den_t = den.to(dtype=num.dtype, device=num.device)
     return num / torch.where(den_t == 0, torch.ones_like(den_t), den_t)
 
 

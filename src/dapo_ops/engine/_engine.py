@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from dapo_ops._core._rules import compute_dtype, masked
+from dapo_ops._core._rules import clip, compute_dtype, masked
 from dapo_ops._core._validate import (
     InputError,
     is_compiling,
@@ -97,7 +97,7 @@ def reference_terms(
     if spec.kl is not None and ref_logp is not None:
         clamp = spec.kl.log_ratio_clamp
         raw = masked(valid, logp.to(dtype) - ref_logp.to(dtype))
-        penalty = masked(valid, spec.kl.penalty(raw, raw.clamp(-clamp, clamp)))
+        penalty = masked(valid, spec.kl.penalty(raw, clip(raw, -clamp, clamp)))
         if kl_weights is not None:
             penalty = penalty * masked(valid, kl_weights.to(dtype))
         per_token = per_token + spec.kl.beta * penalty

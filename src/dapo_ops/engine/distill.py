@@ -28,6 +28,7 @@ from dapo_ops._core._rules import (
     LOG_RATIO_CLAMP,
     AggregationMode,
     Normalizer,
+    clip,
     compute_dtype,
     masked,
 )
@@ -121,10 +122,10 @@ class TeacherKL:
         autograd in ``logp``; ``teacher_logp`` ``[batch, seq]`` or ``[teachers, batch, seq]``."""
         student, teacher = logp.to(dtype), teacher_logp.to(dtype)
         if self.logp_min is not None:
-            student, teacher = student.clamp(min=self.logp_min), teacher.clamp(min=self.logp_min)
+            student, teacher = clip(student, self.logp_min), clip(teacher, self.logp_min)
         raw = masked(valid, student - teacher)  # valid broadcasts over teachers
         c = self.log_ratio_clamp
-        per_token = masked(valid, self.penalty.penalty(raw, raw if c is None else raw.clamp(-c, c)))
+        per_token = masked(valid, self.penalty.penalty(raw, raw if c is None else clip(raw, -c, c)))
         if teacher_logp.ndim == 2:
             return per_token
         n = teacher_logp.shape[0]

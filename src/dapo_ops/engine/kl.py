@@ -12,7 +12,7 @@ from torch import Tensor
 
 from dapo_ops._core._checked import checks_values
 from dapo_ops._core._inputs import policy_tensors
-from dapo_ops._core._rules import LOG_RATIO_CLAMP, masked
+from dapo_ops._core._rules import LOG_RATIO_CLAMP, clip, magnitude, masked
 from dapo_ops._core._validate import InputError, check_no_grad, check_option
 from dapo_ops.objectives.base import check_field, check_positive
 
@@ -28,8 +28,10 @@ class KLPenalty:
     ``k1`` = :math:`\delta` (unbiased, can be negative); ``k2`` = :math:`\delta^2/2`
     (>= 0, biased, low variance); ``k3`` = :math:`e^{-\delta} + \delta - 1` (>= 0,
     unbiased, low variance: GRPO's and verl's ``low_var_kl``); ``abs`` = :math:`|\delta|`
-    (verl's ``abs``). All are 0 where ``logp == ref_logp``. ``clamp`` bounds the estimate
-    to ``[-clamp, clamp]`` (its gradient is 0 where it acts): verl's ``low_var_kl`` clamps
+    (verl's ``abs``; gradient ``sign(delta)``, 0 at 0). All are 0 where ``logp == ref_logp``.
+    ``clamp`` bounds the estimate to ``[-clamp, clamp]`` (its gradient is 0 where it acts
+    beyond a bound; on a bound, as on the log-ratio clamp's, it passes: docs/kinks.md):
+    verl's ``low_var_kl`` clamps
     to ``[-10, 10]`` (``clamp=10.0`` reproduces it); ours does not by default, since
     k3 >= 0 grows only linearly in ``delta`` and ``log_ratio_clamp`` keeps it finite.
 
@@ -65,7 +67,7 @@ class KLPenalty:
     def estimate(self, delta: Tensor) -> Tensor:
         """The per-token estimate (before ``beta``) of the clamped log-ratio ``delta``."""
         kl = self._unclamped(delta)
-        return kl if self.clamp is None else kl.clamp(-self.clamp, self.clamp)
+        return kl if self.clamp is None else clip(kl, -self.clamp, self.clamp)
 
     def _unclamped(self, delta: Tensor) -> Tensor:
         if self.estimator == "k1":
@@ -73,7 +75,7 @@ class KLPenalty:
         if self.estimator == "k2":
             return 0.5 * delta * delta
         if self.estimator == "abs":
-            return delta.abs()
+            return magnitude(delta)
         return torch.expm1(-delta) + delta
 
     def penalty(self, raw: Tensor, delta: Tensor) -> Tensor:
@@ -98,7 +100,7 @@ class KLPenalty:
         else:
             slope = -torch.expm1(-delta)
         keep = raw == delta
-        if self.clamp is not None:  # clamp's convention: the gradient passes on the bounds
+        if self.clamp is not None:  # the kink convention: the gradient passes on the bounds
             keep = keep & (self._unclamped(delta).abs() <= self.clamp)
         return torch.where(keep, (weight * self.beta) * slope, 0.0)
 
@@ -137,5 +139,5 @@ def kl_penalty(
     _, valid, dtype = policy_tensors(logp, ref_logp, None, mask, names=("logp", "ref_logp"))
     check_no_grad("ref_logp", ref_logp)
     raw = masked(valid, logp.to(dtype) - ref_logp.to(dtype))
-    kl = penalty.penalty(raw, raw.clamp(-log_ratio_clamp, log_ratio_clamp))
+    kl = penalty.penalty(raw, clip(raw, -log_ratio_clamp, log_ratio_clamp))
     return masked(valid, kl)

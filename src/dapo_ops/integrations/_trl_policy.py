@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from dapo_ops._core._checked import check_inputs, checked
-from dapo_ops._core._rules import LOG_RATIO_CLAMP, compute_dtype, masked
+from dapo_ops._core._rules import LOG_RATIO_CLAMP, clip, compute_dtype, masked
 from dapo_ops._core._validate import InputError
 from dapo_ops.diagnostics.measures import PolicyDiagnostics
 from dapo_ops.engine.aggregation import token_level_aggregate
@@ -126,6 +126,12 @@ def trl_policy_loss(
     One deliberate difference: dapo_ops clamps the (token or sequence) log-ratio to +-20
     before ``exp`` (TRL does not), so the two differ only for tokens whose probability
     moved by a factor above e^20 since sampling, where TRL's value overflows.
+
+    At an exact tie (a ratio exactly on ``1 - epsilon_low``, ``1 + epsilon_high`` or
+    ``delta``) the gradient is this library's on every torch: it passes (docs/kinks.md).
+    TRL's ``-min(r A, clamp(r) A)`` follows its torch: the same on torch <= 2.13, half of
+    it on torch 2.14 (``min`` splits the tie, ``clamp`` passes 0 on its bound), and 0 at
+    ``r = delta``.
     """
     if objective is None:
         options = {
@@ -189,7 +195,7 @@ def trl_policy_loss(
         kl = kl_penalty(per_token_logps, ref_per_token_logps, mask, estimator="k3")
         # `where`, not a product: garbage at masked positions must not reach the gradient.
         delta_logp = torch.where(mask != 0, per_token_logps - old_per_token_logps, 0.0)
-        log_ratio = delta_logp.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        log_ratio = clip(delta_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # passes on +-20
         if importance_sampling_level == "sequence":  # TRL weights by the sequence ratio
             count = (mask != 0).sum(dim=-1, keepdim=True).clamp(min=1).to(log_ratio.dtype)
             log_ratio = log_ratio.sum(dim=-1, keepdim=True) / count

@@ -32,6 +32,7 @@ from types import MappingProxyType
 import torch
 from torch import Tensor
 
+from dapo_ops._core._rules import magnitude
 from dapo_ops._core._validate import InputError
 from dapo_ops.correction.cov_masks import clip_cov_candidates, first_k
 from dapo_ops.engine.kl import KLPenalty
@@ -124,7 +125,7 @@ def _selected(objective: Objective, x: TokenInputs, call: Call) -> Tensor:
 
 
 def _abs_log_ratio(objective: Objective, x: TokenInputs, call: Call) -> Tensor:
-    return x.log_ratio.abs()
+    return magnitude(x.log_ratio)  # gradient sign(log r), 0 at 0 (as verl's abs)
 
 
 #: verl's ``clip_cov`` metrics: the dropped fraction and the (unclamped) k1.

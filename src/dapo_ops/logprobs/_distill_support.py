@@ -32,6 +32,7 @@ import math
 import torch
 from torch import Tensor
 
+from dapo_ops._core._rules import clip
 from dapo_ops.logprobs._distill_topk import Terms, outside_mass
 from dapo_ops.logprobs._softmax_blocks import LOGP_FLOOR
 
@@ -112,7 +113,7 @@ def support_reference(
     two distributions written out, then the divergence."""
     inside = tl > -math.inf
     has = inside.any(dim=1, keepdim=True)
-    sk = s.gather(1, ids).clamp(min=LOGP_FLOOR)
+    sk = clip(s.gather(1, ids), LOGP_FLOOR)
     tf = tl.clamp(min=LOGP_FLOOR)
     if tail == "renormalize":
         keep = inside & has
@@ -124,7 +125,7 @@ def support_reference(
         hit = torch.zeros_like(s).scatter_add(1, ids, inside.to(s.dtype)) > 0
         rest = (~hit & (s > -math.inf)).any(dim=1, keepdim=True)
         lt = torch.logsumexp(torch.where(rest, torch.where(hit, -math.inf, s), 0.0), dim=1)
-        lt = torch.where(rest.squeeze(1), lt, -math.inf).clamp(min=LOGP_FLOOR)
+        lt = clip(torch.where(rest.squeeze(1), lt, -math.inf), LOGP_FLOOR)
         pt = torch.where(inside, tl.exp(), 0.0).sum(dim=1)
         qt = (1.0 - pt).clamp(min=0.0)
         a = torch.cat([sk, lt.unsqueeze(1)], dim=1)

@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from dapo_ops._core._rules import clip
 from dapo_ops.engine.aggregation import loss_scale
 from dapo_ops.logprobs._distill_support import support_ids, support_reference, support_terms
 from dapo_ops.logprobs._distill_topk import Terms, topk_reference, topk_terms
@@ -267,7 +268,7 @@ def reference_loss(
         else:
             loss = support_reference(spec.kind, spec.beta, spec.tail, s, teacher, ids)
     else:
-        sf = s.clamp(min=LOGP_FLOOR)
+        sf = clip(s, LOGP_FLOOR)
         tf = torch.log_softmax(teacher / spec.temperature, dim=1).clamp(min=LOGP_FLOOR)
         b = spec.beta
         if spec.kind == "forward_kl":
@@ -278,7 +279,7 @@ def reference_loss(
             m = torch.logaddexp(sf + math.log1p(-b), tf + math.log(b))
             loss = b * (tf.exp() * (tf - m)).sum(1) + (1 - b) * (sf.exp() * (sf - m)).sum(1)
     if spec.loss_clamp is not None:
-        loss = loss.clamp(-spec.loss_clamp, spec.loss_clamp)
+        loss = clip(loss, -spec.loss_clamp, spec.loss_clamp)
     return (_scale(spec, t, cdt) * torch.where(valid[:, 0], loss, 0.0)).sum()
 
 

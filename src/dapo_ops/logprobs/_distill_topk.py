@@ -30,6 +30,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from dapo_ops._core._rules import clip
 from dapo_ops.logprobs._softmax_blocks import LOGP_FLOOR
 
 TOPK_TAILS: tuple[str, ...] = ("none", "bucket", "renormalize")
@@ -122,10 +123,10 @@ def topk_reference(c: float | None, tail: str, s: Tensor, tl: Tensor, ids: Tenso
     """:func:`topk_terms`'s losses under autograd (``s`` the whole log-softmax)."""
     sk = s.gather(1, ids)
     if tail == "none":
-        skc, tlc = (sk, tl) if c is None else (sk.clamp(min=c), tl.clamp(min=c))
+        skc, tlc = (sk, tl) if c is None else (clip(sk, c), tl.clamp(min=c))
         pt = tlc.exp()
-        return torch.where(pt > 0, pt * (tlc - skc), 0.0).sum(dim=1).clamp(min=0.0)
-    inside, sk = tl > -math.inf, sk.clamp(min=LOGP_FLOOR)
+        return clip(torch.where(pt > 0, pt * (tlc - skc), 0.0).sum(dim=1), 0.0)
+    inside, sk = tl > -math.inf, clip(sk, LOGP_FLOOR)
     lpt = torch.logsumexp(tl, dim=1, keepdim=True)
     has = inside.any(dim=1, keepdim=True)
     lps = torch.logsumexp(torch.where(has, torch.where(inside, sk, -math.inf), 0.0), 1, True)
@@ -137,6 +138,6 @@ def topk_reference(c: float | None, tail: str, s: Tensor, tl: Tensor, ids: Tenso
     hit = torch.zeros_like(s).scatter_add(1, ids, inside.to(s.dtype)) > 0
     rest = (~hit & (s > -math.inf)).any(dim=1, keepdim=True)  # some mass outside the ids
     lt = torch.logsumexp(torch.where(rest, torch.where(hit, -math.inf, s), 0.0), dim=1)
-    lt = torch.where(rest.squeeze(1), lt, -math.inf).clamp(min=LOGP_FLOOR)
+    lt = clip(torch.where(rest.squeeze(1), lt, -math.inf), LOGP_FLOOR)
     qt = (-torch.expm1(lpt.squeeze(1))).clamp(min=0.0)
     return f + torch.where(qt > 0, qt * (torch.where(qt > 0, qt, 1.0).log() - lt), 0.0)

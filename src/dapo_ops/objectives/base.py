@@ -31,7 +31,7 @@ from typing import ClassVar, Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from dapo_ops._core._rules import LOG_RATIO_CLAMP, masked
+from dapo_ops._core._rules import LOG_RATIO_CLAMP, clip, masked
 from dapo_ops._core._validate import InputError
 
 
@@ -48,7 +48,7 @@ class TokenInputs(NamedTuple):
     logp: Tensor  # log pi_theta of the sampled tokens (the differentiated input)
     old_logp: Tensor  # log pi_old of the same tokens (a constant)
     log_ratio: Tensor  # logp - old_logp, not clamped
-    clamped: Tensor  # log_ratio clamped to +-log_ratio_clamp
+    clamped: Tensor  # log_ratio clamped to +-log_ratio_clamp (gradient 1 on the bounds)
     ratio: Tensor  # exp(clamped): never inf
     adv: Tensor  # advantages, [batch, 1] or [batch, seq]
     valid: Tensor  # bool mask
@@ -189,5 +189,5 @@ def token_inputs(
     if reference:
         lp, old, log_ratio = masked(valid, lp), masked(valid, old), masked(valid, log_ratio)
         a = masked(valid, a)
-    clamped = log_ratio.clamp(-objective.log_ratio_clamp, objective.log_ratio_clamp)
+    clamped = clip(log_ratio, -objective.log_ratio_clamp, objective.log_ratio_clamp)
     return TokenInputs(lp, old, log_ratio, clamped, clamped.exp(), a, valid)

@@ -9,6 +9,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from dapo_ops._core._rules import clip
 from dapo_ops.objectives._clip_higher_cpu import cpu_terms
 from dapo_ops.objectives.base import Clipped, Objective, TokenInputs, check_field, check_number
 
@@ -27,13 +28,19 @@ class ClipHigher(Objective):
     [1-\varepsilon_{low}, c]` for :math:`A < 0` (``c = dual_clip``, or no bound) and
     :math:`[-\infty, 1+\varepsilon_{high}]` for :math:`A \ge 0`: the same values bit for
     bit, and the gradient ``-A r`` exactly where no bound (and no log-ratio clamp) acts,
-    exactly 0 where one does.
+    exactly 0 where one does. A bound acts only strictly beyond it: a ratio *on* a bound
+    (``r = 1 + eps_high``, ``1 - eps_low``, ``c``; ``|log r| = log_ratio_clamp``) keeps
+    ``-A r``, on every torch (docs/kinks.md).
 
     Fields (defaults from DAPO, Yu et al. 2025, sec. 3.1): ``eps_low=0.2``,
     ``eps_high=0.28`` (``eps_low == eps_high``: PPO, GRPO); ``dual_clip=None`` (dual-clip
     PPO, Ye et al. 2020: a negative-advantage token's loss is capped at ``c |A|``; verl's
     ``clip_ratio_c`` is 3.0); ``log_ratio_clamp=20`` (verl's). verl calls it
     ``loss_mode="vanilla"``, TRL ``loss_type="dapo"`` with ``epsilon``/``epsilon_high``.
+
+    Papers: Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at
+    Scale" (arXiv:2503.14476); Schulman et al. 2017, "Proximal Policy Optimization
+    Algorithms" (arXiv:1707.06347); the dual clip, Ye et al. 2020 (arXiv:1912.09729).
 
     Example:
         >>> ClipHigher()
@@ -63,7 +70,7 @@ class ClipHigher(Objective):
 
     def term(self, x: TokenInputs) -> Tensor:
         lo, hi = self.bounds(x.adv)
-        return -x.adv * torch.clamp(x.ratio, lo, hi)
+        return -x.adv * clip(x.ratio, lo, hi)
 
     def grad(self, x: TokenInputs, weight: Tensor) -> Tensor:
         # (w * -A) * r where no clamp acts (NaN: none passes): the rounding order of

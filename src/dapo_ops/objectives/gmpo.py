@@ -34,6 +34,8 @@ class GMPO(Objective):
     Fields (GMPO paper and verl: the clip range is on the *log*-ratio): ``eps_low=0.4``,
     ``eps_high=0.4`` (the paper's ``(e^-0.4, e^0.4)``).
 
+    Paper: Zhao et al. 2025, "Geometric-Mean Policy Optimization" (arXiv:2507.20673).
+
     Example:
         >>> GMPO()
         GMPO(log_ratio_clamp=20.0, eps_low=0.4, eps_high=0.4)
@@ -51,10 +53,16 @@ class GMPO(Objective):
 
     def _token_log_ratio(self, x: TokenInputs) -> Tensor:
         """``m``: ``min(lr, eps_high)`` for ``A > 0``, ``max(lr, -eps_low)`` for ``A < 0``,
-        0 for ``A == 0`` (each token by its own advantage's sign)."""
-        sign = torch.sign(x.adv)
-        bounded = x.log_ratio.clamp(-self.eps_low, self.eps_high)
-        return sign * torch.minimum(sign * x.log_ratio, sign * bounded)
+        0 for ``A == 0`` (each token by its own advantage's sign), with its gradient
+        selected explicitly: 1 where ``m = lr`` (a log-ratio *on* its bound included: the
+        kink convention, docs/kinks.md), 0 where the bound acts or ``A == 0``. verl's
+        ``sgn(A) min(sgn(A) lr, sgn(A) clip(lr))`` has the same values; its gradient on a
+        bound is ``torch.minimum``'s half plus the clamp's share (1 up to torch 2.13,
+        1/2 from 2.14)."""
+        lr, sign = x.log_ratio, torch.sign(x.adv)
+        pos = torch.where(lr > self.eps_high, lr.new_full((), self.eps_high), lr)
+        neg = torch.where(lr < -self.eps_low, lr.new_full((), -self.eps_low), lr)
+        return torch.where(sign > 0, pos, torch.where(sign < 0, neg, sign * lr))
 
     def _seq_ratio(self, x: TokenInputs) -> Tensor:
         m = masked(x.valid, self._token_log_ratio(x))
@@ -74,7 +82,8 @@ class GMPO(Objective):
         return -self._seq_adv(x) * self._seq_ratio(x) * torch.exp(m - m.detach())
 
     def grad(self, x: TokenInputs, weight: Tensor) -> Tensor:
-        unclipped = self._token_log_ratio(x) == x.log_ratio
+        # unclipped (on a bound included) and A != 0: where term()'s m carries lr's gradient
+        unclipped = (self._token_log_ratio(x) == x.log_ratio) & (x.adv != 0)
         return torch.where(unclipped, (weight * self._seq_adv(x).neg()) * self._seq_ratio(x), 0.0)
 
     def clipped(self, x: TokenInputs) -> Clipped:

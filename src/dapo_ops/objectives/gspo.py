@@ -8,7 +8,7 @@ import math
 import torch
 from torch import Tensor
 
-from dapo_ops._core._rules import masked
+from dapo_ops._core._rules import clip, masked
 from dapo_ops.objectives.base import Clipped, Objective, TokenInputs, check_field, check_number
 from dapo_ops.objectives.clip_higher import clip_bounds
 
@@ -38,6 +38,8 @@ class GSPO(Objective):
     verl 0.9.1's ``loss_mode="gspo"`` instead: no token clamp, the clamp only from above
     (``max=10``, no lower bound), applied to the per-token log-ratio of the GSPO-token
     form, where it cuts the gradient (0 beyond ``s > e^10``).
+
+    Paper: Zheng et al. 2025, "Group Sequence Policy Optimization" (arXiv:2507.18071).
 
     Example:
         >>> GSPO()
@@ -69,7 +71,7 @@ class GSPO(Objective):
         total = masked(x.valid, token).sum(dim=-1, keepdim=True)
         mean = total / torch.where(n == 0, torch.ones_like(n), n)
         if not self.verl_clamp:
-            mean = mean.clamp(-self.seq_log_ratio_clamp, self.seq_log_ratio_clamp)
+            mean = clip(mean, -self.seq_log_ratio_clamp, self.seq_log_ratio_clamp)
         return mean
 
     def seq_log_ratio(self, x: TokenInputs) -> Tensor:
@@ -82,13 +84,13 @@ class GSPO(Objective):
         live = x.logp - x.logp.detach()  # 0, with gradient 1
         if self.verl_clamp:
             s = log_s.clamp(max=self.seq_log_ratio_clamp).exp()
-            return torch.exp((live + log_s).clamp(max=self.seq_log_ratio_clamp)), s
+            return torch.exp(clip(live + log_s, high=self.seq_log_ratio_clamp)), s
         s = log_s.exp()
         return s * torch.exp(live), s
 
     def term(self, x: TokenInputs) -> Tensor:
         lo, hi = clip_bounds(x.adv, self.eps_low, self.eps_high, None)
-        return -x.adv * torch.clamp(self._ratio(x)[0], lo, hi)
+        return -x.adv * clip(self._ratio(x)[0], lo, hi)
 
     def grad(self, x: TokenInputs, weight: Tensor) -> Tensor:
         log_s = self.seq_log_ratio(x)
