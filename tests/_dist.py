@@ -89,6 +89,15 @@ def gloo_threads_after_join(at_most: int = 0, timeout: float = 2.0) -> list[str]
     return threads
 
 
+def gloo_threads_when_up(timeout: float = 2.0) -> list[str]:
+    """``gloo_threads()`` once there is one, or after ``timeout`` seconds (a new thread
+    names itself, in /proc, a moment after it starts)."""
+    deadline = time.monotonic() + timeout
+    while not (threads := gloo_threads()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return threads
+
+
 def can_list_threads() -> bool:
     return Path("/proc/self/task").is_dir()
 
@@ -99,7 +108,9 @@ def release_dtensor_caches() -> None:
     A ``DeviceMesh`` holds its process groups (``_pg_registry``). DTensor caches keep
     meshes alive: the sharding-propagation caches (Python and C++ fast path) hold the
     specs of every op dispatched, the redistribute planner cache holds one planner per
-    mesh, and ``_gen_transform_infos`` (``full_tensor()``) holds specs. After
+    mesh, ``_gen_transform_infos`` (``full_tensor()``) holds specs, and (torch 2.14: the
+    leak its FSDP2 test showed) ``MeshTopoInfo.build_from_mesh``'s cache holds the mesh of
+    every redistribute cost estimate. After
     ``fully_shard`` the group would therefore outlive ``destroy_process_group`` (measured:
     its gloo threads survive until interpreter shutdown). torch exposes the clearing only
     through private helpers, so each is optional; if one moves, the ``leaked_threads``
@@ -111,6 +122,7 @@ def release_dtensor_caches() -> None:
         ("torch.distributed.tensor.debug", "_clear_sharding_prop_cache"),
         ("torch.distributed.tensor._redistribute", "clear_redistribute_planner_cache"),
         ("torch.distributed.tensor._redistribute", "_gen_transform_infos.cache_clear"),
+        ("torch.distributed.tensor._collective_utils", "MeshTopoInfo.build_from_mesh.cache_clear"),
     ):
         try:
             obj: Any = importlib.import_module(module_name)
@@ -119,6 +131,25 @@ def release_dtensor_caches() -> None:
         except (ImportError, AttributeError):
             continue
         obj()
+
+
+def release_meshes() -> None:
+    """Make every live ``DeviceMesh`` let go of its process groups (``_pg_registry``).
+
+    For a mesh that a cache torch gives no way to empty still holds: torch 2.11's C++
+    sharding-propagation cache keeps its entries (``DTensorSpec``s, hence their mesh)
+    after ``_clear_DTensor_sharding_propagator_cache`` (measured: 4 entries after one
+    FSDP2 step, the mesh alive and the group's gloo threads running after
+    ``destroy_process_group``). The mesh is dead after the destroy anyway; dropping its
+    group references lets the destroy join the threads on every torch.
+    """
+    if "torch.distributed.device_mesh" not in sys.modules:
+        return
+    from torch.distributed.device_mesh import DeviceMesh
+
+    for obj in gc.get_objects():
+        if isinstance(obj, DeviceMesh) and isinstance(getattr(obj, "_pg_registry", None), dict):
+            obj._pg_registry.clear()
 
 
 def _entry(
@@ -139,13 +170,17 @@ def _entry(
         world_size=world_size,
         timeout=datetime.timedelta(seconds=60),
     )
-    threads_while_up = gloo_threads()
+    # torch 2.11 creates the gloo backend, and its threads, at the group's first
+    # collective (2.13 at init): look once one has run and the threads have named themselves
+    dist.barrier()
+    threads_while_up = gloo_threads_when_up()
     try:
         result = fn(rank, world_size, *args)
     except BaseException:
         dist.destroy_process_group()  # no barrier: the other ranks may never get there
         raise
     release_dtensor_caches()
+    release_meshes()
     gc.collect()  # a model caught in a reference cycle must not outlive the group
     dist.barrier()
     dist.destroy_process_group()
