@@ -647,22 +647,42 @@ def _non_contiguous(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+#: The arguments a projection ``hidden @ weight.T + bias`` reads (the linear functions).
+PROJECTION = {"hidden", "weight", "bias"}
+#: Their grid: multiples of 1/16 in [-2, 2] (5 significant bits at most).
+GRID = 16.0
+
+
+def _on_grid(t: torch.Tensor) -> torch.Tensor:
+    return torch.round(t * GRID) / GRID
+
+
 @pytest.mark.parametrize("fn", _cases("noncontiguous", ((s.name,) for s in REGISTRY if s.args)))
 @FEW
 @given(batch=st.integers(1, 4), seq=st.integers(1, 6), seed=st.integers(0, 2**16))
 def test_non_contiguous_views_give_the_same_result(
     fn: str, batch: int, seq: int, seed: int
 ) -> None:
-    """Every tensor argument as a strided view: the result of the contiguous call (a
-    reduction over a strided row may add in another order: within a few ulps)."""
+    """Every tensor argument as a strided view: bit for bit the result of the contiguous
+    call.
+
+    A strided view changes one thing: the order in which a matrix product adds its ``D``
+    products (BLAS picks its loop by the strides; every other reduction here walks the
+    same elements in the same order). A hand-picked tolerance for that was missed
+    (linear_policy_loss: 1.6 times 8 ulps). Derived instead: the projection's inputs are
+    put on a grid of 1/16 in [-2, 2], so every product ``h W`` is a multiple of 1/256 of
+    magnitude at most 4, and every logit (``D`` products and a bias, ``D = 3``) a
+    multiple of 1/256 of magnitude at most 14: 12 significant bits, exact in float32 (24)
+    whatever the order of the additions. The rest of the computation is then the same
+    sequence of operations on the same values: the results are identical (NaN where NaN).
+    """
     s = SPECS[fn]
+    assert SIZES["D"] * 4 + 2 <= 16  # the logits' magnitude above: 12 bits with 1/256
     kwargs = build(s, batch, seq, seed)
+    for name in PROJECTION & s.args.keys():
+        kwargs[name] = _on_grid(kwargs[name])
     want = outputs(call(s, kwargs))
     strided = {k: _non_contiguous(v) if k in s.args else v for k, v in kwargs.items()}
     got = outputs(call(s, strided))
     for x, y in zip(got, want, strict=True):
-        if x.dtype.is_floating_point:
-            scale = float(y.abs().max()) if y.numel() else 0.0
-            torch.testing.assert_close(x, y, rtol=0, atol=8 * 2.0**-24 * max(scale, 1.0))
-        else:
-            assert torch.equal(x, y)
+        torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
