@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch
 from dapo_ops import InputError, global_normalizer, token_level_loss
 from dapo_ops.integrations import trl as trl_adapter
 from dapo_ops.integrations import verl as verl_adapter
+from dapo_ops.integrations.verl_losses import VERL_LOSS_MODES, policy_loss_fn
 
 
 def test_importing_the_adapters_imports_no_trainer() -> None:
@@ -205,6 +207,37 @@ def test_verl_policy_loss_with_a_plain_dict_config() -> None:
     expected = token_level_loss(logp, old, adv, mask != 0, eps_high=0.28, dual_clip=3.0)
     assert torch.equal(loss, expected)  # the adapter calls the same loss: the same bits
     assert set(metrics) == {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"}
+
+
+_VERL_ONLY_NAMES = r"\b(logp|old_logp|mask|is_weights)\b"  # dapo_ops' names verl lacks
+
+
+@pytest.mark.usefixtures("no_runtime_typecheck")  # the message a verl user sees (no jaxtyping)
+@pytest.mark.parametrize("loss_mode", list(VERL_LOSS_MODES))
+@pytest.mark.parametrize(
+    ("bad", "named"),
+    [
+        ({"log_prob": (3, 4)}, "log_prob"),
+        ({"old_log_prob": (3, 4)}, "old_log_prob"),
+        ({"advantages": (5,)}, "advantages"),
+        ({"response_mask": (3, 4)}, "response_mask"),
+        ({"rollout_is_weights": (3, 4)}, "rollout_is_weights"),
+    ],
+)
+def test_verl_twin_errors_name_verl_arguments(
+    loss_mode: str, bad: dict[str, tuple[int, ...]], named: str
+) -> None:
+    """A bad argument of a verl loss twin is reported by the name the verl user passed
+    (``log_prob``, ``response_mask``, ...), never by dapo_ops' own (``logp``, ``mask``)."""
+    shapes = {"old_log_prob": (3, 5), "log_prob": (3, 5), "advantages": (3, 5),
+              "response_mask": (3, 5), "rollout_is_weights": (3, 5), **bad}  # fmt: skip
+    args = {k: -torch.rand(s) if k != "response_mask" else torch.ones(s) for k, s in shapes.items()}
+    config = {"clip_ratio": 0.2, "global_batch_info": {}, "policy_loss": {"dro_beta": 0.1}}
+    with pytest.raises(InputError) as caught:
+        policy_loss_fn(loss_mode)(**args, loss_agg_mode="token-mean", config=config)
+    message = str(caught.value)
+    assert named in message, message
+    assert not re.search(_VERL_ONLY_NAMES, message), message
 
 
 # --------------------------------------------------------------------------- OpenRLHF

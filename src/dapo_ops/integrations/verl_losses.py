@@ -11,6 +11,12 @@ aggregation from ``loss_agg_mode`` and ``global_batch_info``. Adding a twin is o
 Switching ``policy_loss.loss_mode: sapo`` to ``dapo_ops_sapo`` changes the
 implementation, not the numbers (``tests/integration/test_verl_differential.py``).
 
+At an exact tie (a ratio on a clip bound, a log-ratio on verl's clamp at 20) the twins
+pass the gradient, on every torch (docs/kinks.md). verl's own losses follow their torch's
+``clamp``: the same on torch <= 2.13, except at the dual-clip bound ``r = clip_ratio_c``,
+where ``torch.min`` halves it on every torch; on torch 2.14 half at the clip bounds and
+GMPO's (``geo_mean``) log-ratio bounds, 0 on the log-ratio clamp.
+
 Example:
     >>> verl_objective("sapo", {"tau_pos": 1.0, "tau_neg": 1.05})
     SAPO(log_ratio_clamp=20.0, tau_pos=1.0, tau_neg=1.05)
@@ -26,8 +32,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dapo_ops._core._validate import InputError
+from dapo_ops._core._inputs import policy_tensors
+from dapo_ops._core._validate import InputError, check_float, check_same_shape
 from dapo_ops.engine.policy import policy_loss
+from dapo_ops.integrations._peer_names import VERL_POLICY_LOSS, peer_names
 from dapo_ops.integrations._verl_common import (
     CLIP_METRICS,
     Call,
@@ -194,19 +202,24 @@ def policy_loss_fn(loss_mode: str, name: str | None = None) -> PolicyLossFn:
     ) -> tuple[Tensor, dict[str, Any]]:
         if config is None:
             raise InputError(f"dapo_ops_{loss_mode} needs verl's actor config (config=...)")
-        mask = response_mask if response_mask.dtype == torch.bool else response_mask != 0
-        objective = row.objective(config)
-        call = Call(log_prob, old_log_prob, advantages, mask, config, rollout_is_weights)
-        if row.step is not None:
-            call = row.step(call)
-        loss = policy_loss(
-            objective, log_prob, old_log_prob, call.advantages, call.mask,
-            is_weights=call.is_weights, **call.options,
-            **_aggregation(row.agg or loss_agg_mode or row.default_agg, call),
-        )  # fmt: skip
-        return loss, evaluate(
-            row.metrics if call.metrics is None else call.metrics, objective, call
-        )
+        with peer_names(VERL_POLICY_LOSS):  # errors name verl's arguments (log_prob, ...)
+            mask = response_mask if response_mask.dtype == torch.bool else response_mask != 0
+            policy_tensors(log_prob, old_log_prob, advantages, mask)  # before any step
+            if rollout_is_weights is not None:
+                check_float("is_weights", rollout_is_weights)
+                check_same_shape("is_weights", rollout_is_weights, "logp", log_prob)
+            objective = row.objective(config)
+            call = Call(log_prob, old_log_prob, advantages, mask, config, rollout_is_weights)
+            if row.step is not None:
+                call = row.step(call)
+            loss = policy_loss(
+                objective, log_prob, old_log_prob, call.advantages, call.mask,
+                is_weights=call.is_weights, **call.options,
+                **_aggregation(row.agg or loss_agg_mode or row.default_agg, call),
+            )  # fmt: skip
+            return loss, evaluate(
+                row.metrics if call.metrics is None else call.metrics, objective, call
+            )
 
     compute.__name__ = compute.__qualname__ = name or f"compute_policy_loss_dapo_ops_{loss_mode}"
     compute.__doc__ = (
