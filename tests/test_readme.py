@@ -53,18 +53,35 @@ def _pyproject() -> dict[str, Any]:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())  # type: ignore[no-any-return]
 
 
+def _minor(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int(minor)
+
+
 def test_supported_versions_are_stated_once_and_agree_with_pyproject() -> None:
     project = _pyproject()["project"]
-    torch_floor = next(d for d in project["dependencies"] if d.startswith("torch"))
+    torch_range = next(d for d in project["dependencies"] if d.startswith("torch"))
     text = " ".join((ROOT / "README.md").read_text().split())
     stated = re.search(
-        r"\*\*Supported versions\*\*: torch >= ([\d.]+) .*? Python >= ([\d.]+) ", text
+        r"\*\*Supported versions\*\*: torch >= ([\d.]+), < ([\d.]+) .*? Python >= ([\d.]+) ",
+        text,
     )
     assert stated, "README.md lost its supported-versions line"
-    assert torch_floor == f"torch>={stated.group(1)}"
-    assert project["requires-python"] == f">={stated.group(2)}"
+    low, ceiling, python = stated.groups()
+    assert torch_range == f"torch>={low},<{ceiling}"
+    assert project["requires-python"] == f">={python}"
+    # CI runs README's test command on the lowest and the newest torch of the range, each
+    # in its own venv (.ci/run's TORCHES line: "torch:triton" pairs), and README names them
+    ci = (ROOT / ".ci" / "run").read_text()
+    pairs = re.search(r'^TORCHES="([\d.: ]+)"$', ci, re.M)
+    assert pairs, ".ci/run lost its TORCHES line"
+    tested = [p.split(":")[0] for p in pairs.group(1).split()]
+    assert _minor(tested[0]) == _minor(low), "CI must test the floor"
+    assert _minor(tested[-1]) == (_minor(ceiling)[0], _minor(ceiling)[1] - 1), "and the newest"
+    assert all(v in text for v in tested)
+    assert "for pair in $TORCHES" in ci and ci.count('eval "$test_cmd"') >= 2
     # each Python version classifier is at or above the floor
-    floor = tuple(int(x) for x in stated.group(2).split("."))
+    floor = tuple(int(x) for x in python.split("."))
     versions = [
         tuple(int(x) for x in c.rsplit(":: ", 1)[1].split("."))
         for c in project["classifiers"]
