@@ -63,6 +63,8 @@ def opo_advantages(
     the responses' token counts (integer or float, finite and >= 0, else ``InputError``:
     checked with one host sync, skipped under ``torch.compile``), shaped as ``scores``.
 
+    Paper: Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline" (arXiv:2505.23585).
+
     Example:
         >>> opo_advantages(torch.tensor([[1.0, 0.0]]), torch.tensor([[3, 1]]))
         tensor([[ 0.2500, -0.7500]])
@@ -96,6 +98,9 @@ def gpg_advantages(
     :math:`A_i = \alpha\,(s_i - \bar s_g) / f_{norm}` with :math:`\alpha = B / \max(1,
     |\{i: s_i \ne 0\}|)` over the whole batch; a one-sample group has mean 0. verl:
     ``adv_estimator="gpg"``; ``f_norm`` (> 0, default 1) is its ``f_norm``.
+
+    Paper: Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline for
+    Model Reasoning" (arXiv:2504.02546).
 
     Example:
         >>> gpg_advantages(torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
@@ -165,6 +170,9 @@ def passk_advantages(
     under ``torch.compile``). A NaN score makes its whole group's advantages NaN.
     verl: ``adv_estimator="grpo_passk"``.
 
+    Paper: Tang et al. 2025, "Optimizing Language Models for Inference Time Objectives
+    using Reinforcement Learning" (arXiv:2503.19595).
+
     Example:
         >>> passk_advantages(torch.tensor([[0.0, 1.0, 0.5]]), scale=False)
         tensor([[0.0000, 0.5000, 0.0000]])
@@ -211,6 +219,9 @@ def gdpo_advantages(
     one score per sample per reward component, finite (else ``InputError``: checked with
     one host sync, skipped under ``torch.compile``). verl: ``adv_estimator="gdpo"`` with
     ``gdpo_reward_keys``/``gdpo_reward_weights``.
+
+    Paper: Liu et al. 2026, "GDPO: Group reward-Decoupled Normalization Policy
+    Optimization for Multi-reward RL Optimization" (arXiv:2601.05242).
 
     Example:
         >>> comp = torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 1.0], [0.0, 1.0]])

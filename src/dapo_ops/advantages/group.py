@@ -98,6 +98,12 @@ def group_advantages(
     ``group_ids`` must be on one device. The result is differentiable in ``rewards``
     (they are a constant of the policy objective: detach them before the loss).
 
+    Papers: Shao et al. 2024, "DeepSeekMath" (arXiv:2402.03300), GRPO's group advantage;
+    Yu et al. 2025, "DAPO" (arXiv:2503.14476); Liu et al. 2025, "Understanding R1-Zero-Like
+    Training: A Critical Perspective" (arXiv:2503.20783), Dr. GRPO's ``scale="none"``;
+    Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for
+    Learning from Human Feedback in LLMs" (arXiv:2402.14740), the leave-one-out baseline.
+
     Example:
         >>> group_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]]))
         tensor([[ 0.8660, -0.8660, -0.8660,  0.8660],

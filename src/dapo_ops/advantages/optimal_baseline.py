@@ -109,6 +109,9 @@ def optimal_token_baseline_advantages(
     Defaults: ``zero_tail=True`` and ``eps=1e-8`` are verl's (``handle_zero_tail``,
     ``epsilon``).
 
+    Paper: Li et al. 2026, "The Optimal Token Baseline: Variance Reduction for Long-Horizon
+    LLM-RL" (arXiv:2602.07078).
+
     Example:
         >>> r = torch.tensor([[0.0, 1.0], [0.0, 0.0]])
         >>> old = torch.log(torch.full((2, 2), 0.5))

@@ -91,6 +91,9 @@ def gae_advantages(
     Defaults ``gamma = lam = 1`` are verl's (``algorithm.gamma``, ``algorithm.lam``);
     both must lie in [0, 1].
 
+    Paper: Schulman et al. 2015, "High-Dimensional Continuous Control Using Generalized
+    Advantage Estimation" (arXiv:1506.02438).
+
     Example:
         >>> a, ret = gae_advantages(torch.tensor([[0.0, 1.0]]), torch.zeros(1, 2),
         ...                         torch.ones(1, 2, dtype=torch.bool), whiten=False)
@@ -131,6 +134,9 @@ def reinforce_pp_advantages(
     ``gamma`` in [0, 1], default 1 as verl's ``algorithm.gamma``. verl:
     ``adv_estimator="reinforce_plus_plus"``.
 
+    Paper: Hu 2025, "REINFORCE++: An Efficient RLHF Algorithm with Robustness to Both
+    Prompt and Reward Models" (arXiv:2501.03262).
+
     Example:
         >>> adv, ret = reinforce_pp_advantages(torch.tensor([[0.0, 1.0]]), torch.tensor([[1, 1]]))
         >>> ret
@@ -158,6 +164,9 @@ def remax_advantages(
     ``returns[t] = sum_{t' >= t} m r``, ``advantages = returns - b_i`` on valid tokens
     (``baselines`` ``[batch]``: the greedy response's reward). Returns ``(advantages,
     returns)``. verl: ``adv_estimator="remax"``.
+
+    Paper: Li et al. 2023, "ReMax: A Simple, Effective, and Efficient Reinforcement Learning
+    Method for Aligning Large Language Models" (arXiv:2310.10505).
 
     Example:
         >>> adv, ret = remax_advantages(torch.tensor([[0.0, 1.0]]), torch.tensor([0.25]),

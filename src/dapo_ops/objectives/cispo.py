@@ -28,6 +28,9 @@ class CISPO(Objective):
     ``1 + clip_ratio_high``); ``eps_low=1.0`` (floor ``0``: MiniMax-M1 imposes no lower
     bound and tunes only the upper one). Aggregate with ``token_mean``, as the paper.
 
+    Paper: MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with
+    Lightning Attention" (arXiv:2506.13585).
+
     Example:
         >>> CISPO()
         CISPO(log_ratio_clamp=20.0, eps_low=1.0, eps_high=0.28)

@@ -36,6 +36,9 @@ class DPPO(Objective):
     and ``clip_ratio_c`` as ``C``): ``delta_low=0.2``, ``delta_high=0.2``,
     ``is_cap=20.0``. The clipped count of the diagnostics is the tokens outside the region.
 
+    Paper: Qi et al. 2026, "Rethinking the Trust Region in LLM Reinforcement Learning"
+    (arXiv:2602.04879).
+
     Example:
         >>> DPPO(divergence="kl")
         DPPO(log_ratio_clamp=20.0, divergence='kl', delta_low=0.2, delta_high=0.2, is_cap=20.0)

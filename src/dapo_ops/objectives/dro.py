@@ -25,6 +25,11 @@ class DRO(Objective):
     The log-ratio is not clamped in the penalty (as verl); ``log_ratio_clamp`` bounds only
     the ratio the diagnostics report.
 
+    Papers: Richemond et al. 2024, "Offline Regularised Reinforcement Learning for Large
+    Language Models Alignment" (arXiv:2405.19107), which introduced Direct Reward
+    Optimisation; the quadratic log-ratio penalty as in Kimi Team 2025, "Kimi k1.5: Scaling
+    Reinforcement Learning with LLMs" (arXiv:2501.12599).
+
     Example:
         >>> DRO(beta=0.5)
         DRO(log_ratio_clamp=20.0, beta=0.5)

@@ -24,6 +24,9 @@ class PolicyGradient(Objective):
     report its ratio. No fields beyond ``log_ratio_clamp`` (used by the diagnostics only).
     verl: ``loss_mode="gpg"``.
 
+    Paper: Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline for
+    Model Reasoning" (arXiv:2504.02546).
+
     Example:
         >>> PolicyGradient()
         PolicyGradient(log_ratio_clamp=20.0)

@@ -28,6 +28,10 @@ class RatioSurrogate(Objective):
     act, 0 where it does. No fields beyond ``log_ratio_clamp`` (default 20, as verl's clamp
     elsewhere; verl's ``kl_cov`` itself does not clamp).
 
+    Papers: Schulman et al. 2015, "Trust Region Policy Optimization" (arXiv:1502.05477);
+    the selection of verl's ``kl_cov``, Cui et al. 2025, "The Entropy Mechanism of
+    Reinforcement Learning for Reasoning Language Models" (arXiv:2505.22617).
+
     Example:
         >>> RatioSurrogate()
         RatioSurrogate(log_ratio_clamp=20.0)

@@ -31,6 +31,8 @@ class SAPO(Objective):
     with ``sapo_temperature_pos``/``_neg`` (TRL does not clamp the log-ratio; ours and
     verl's clamp it to +-20).
 
+    Paper: Gao et al. 2025, "Soft Adaptive Policy Optimization" (arXiv:2511.20347).
+
     Example:
         >>> SAPO()
         SAPO(log_ratio_clamp=20.0, tau_pos=1.0, tau_neg=1.05)

@@ -36,6 +36,9 @@ class VESPO(Objective):
     ``lambda_neg=2.0``. TRL also folds vLLM's importance-sampling ratio into ``w``; pass
     ``is_weights`` to :func:`policy_loss` instead to multiply the loss by it.
 
+    Paper: Shen et al. 2026, "VESPO: Variational Sequence-Level Soft Policy Optimization
+    for Stable Off-Policy LLM Training" (arXiv:2602.10693).
+
     Example:
         >>> VESPO()
         VESPO(log_ratio_clamp=20.0, k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0)
