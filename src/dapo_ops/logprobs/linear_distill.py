@@ -1,11 +1,12 @@
 r"""``linear_distill_loss``: logit distillation straight from the student's hidden states.
 
-The student's ``[tokens, vocab]`` logits are never formed whole: a chunk of tokens at a
-time, its logits, its log-softmax, each token's divergence from the teacher and at once
-the chunk's gradients (3 matmuls in all; :mod:`dapo_ops.logprobs._distill_terms`). The
-divergences are TRL 1.16 GKD's (``GKDTrainer.generalized_jsd_loss``) against the
-teacher's logits and verl 0.9.1's ``forward_kl_topk`` against its top-k log-probs;
-``docs/distillation.md`` derives them.
+No float32 ``[tokens, vocab]`` tensor of the student's logits: the two-pass design
+(:mod:`dapo_ops.logprobs._distill_two_pass`; the logits kept in the input dtype or formed
+again) or chunks of tokens whose gradients are formed in the forward pass
+(:mod:`dapo_ops.logprobs._distill_terms`); checks and dispatch in
+:mod:`dapo_ops.logprobs._distill_call`. The divergences are TRL 1.16 GKD's
+(``GKDTrainer.generalized_jsd_loss``) against the teacher's logits and verl 0.9.1's
+``forward_kl_topk`` against its top-k log-probs; ``docs/distillation.md`` derives them.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def linear_distill_loss(
     vocab_group: object = None,
     skip_padding: bool | int = False,
 ) -> Float[Tensor, ""]:
-    r"""A distillation loss from the student's last hidden states: no logits tensor.
+    r"""A distillation loss from the student's last hidden states: no float32 logits tensor.
 
     With :math:`s = \log\mathrm{softmax}(\mathrm{cap}(hW^\top + b)/T)` the student's
     log-probs and :math:`t` the teacher's, each valid token's loss :math:`l` is, by ``kind``:
@@ -132,19 +133,35 @@ def linear_distill_loss(
     deliberate: float64 inputs are computed in float64 (verl's KL casts to float32); a
     teacher log-prob of ``-inf`` contributes 0 (TRL and verl: NaN).
 
-    Memory: beyond the inputs, the gradients (the weight's summed in float32) and a few
-    ``[chunk, vocab]`` buffers; never a ``[tokens, vocab]`` tensor. Time: 3 matmuls of
-    ``[tokens, d] x [d, vocab]`` (the naive path: 3 too, plus the logits' memory).
+    Two designs (``backend``; ``docs/linear_loss.md``). ``"two_pass"`` (``"auto"`` on
+    CUDA; ATen row functions, ``"triton"`` is refused): pass 1 keeps per row what forms
+    the gradient of the logits one entry at a time, pass 2 forms it and multiplies;
+    ``keep_logits=True`` keeps the ``[tokens, vocab]`` logits in the input dtype (3
+    products), ``False`` forms them again (4 products, one buffer of ``2**27`` elements on
+    a GPU, ``2**24`` on CPU), ``None`` (default) keeps them up to 4 GiB
+    (``KEEP_LOGITS_BYTES``); no float32 ``[vocab, d]`` buffer. ``"chunked"`` (``"auto"`` on
+    CPU and under ``torch.compile``; ``chunk_size`` picks it): a chunk of tokens at a
+    time, its gradients formed in the forward pass, 3 products, a few ``[chunk, vocab]``
+    buffers, the weight gradient summed in float32. ``vocab_group`` (None: not split): a
+    process group whose ranks split the vocabulary, ``weight`` and ``bias`` this rank's
+    contiguous rows, the teacher's logits split the same way (``[batch, seq, V_r]``),
+    ``teacher_ids`` global; the loss is the whole vocabulary's on every rank, the hidden
+    gradient this rank's partial sum (``docs/tensor_parallel.md``); two-pass only, no
+    double backward. ``skip_padding`` (False: off): the passes on the valid tokens only,
+    ``True`` counting them (one host sync), an ``int`` the caller's count (none; below
+    the valid tokens the loss is NaN, checked mode raises; ``docs/padding.md``).
 
     Shapes and dtypes: hidden ``[batch, seq, d]``, weight ``[vocab, d]``, bias ``[vocab]``
     (one dtype, one device); teacher_ids integer in ``[0, vocab)`` at unmasked positions
     (one host sync, eager only); mask ``[batch, seq]``. Returns a 0-dim float32 loss
     (float64 for float64 hidden); bfloat16/float16 matmuls run in that dtype, the
     softmaxes and the loss in float32. Masked positions reach neither the loss nor any
-    gradient, whatever hidden, teacher, teacher_ids and is_weights hold there. The teacher must not
-    require grad. ``chunk_size``: tokens per chunk (None: ``max(1, E // vocab)``, as
-    :func:`linear_policy_loss`). Under ``torch.compile(fullgraph=True)`` the chunks are
-    traced as functional ops; double backward differentiates the naive composition.
+    gradient, whatever hidden, teacher, teacher_ids and is_weights hold there. The
+    teacher must not require grad. ``chunk_size``: tokens per chunk (None: ``max(1, E //
+    vocab)``, as :func:`linear_policy_loss`). Under ``torch.compile(fullgraph=True)`` the
+    chunks are traced as functional ops; double backward differentiates the naive
+    composition. Host syncs beyond the ids' check: ``skip_padding=True`` one, and
+    ``vocab_group`` two small object exchanges among its ranks.
 
     Example:
         >>> g = torch.Generator().manual_seed(0)

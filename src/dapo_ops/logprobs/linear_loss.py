@@ -1,13 +1,13 @@
-r"""``linear_policy_loss``: from the last hidden states to the policy loss in one pass.
+r"""``linear_policy_loss``: from the last hidden states to the policy loss in one call.
 
 What a trainer runs per micro-batch is ``hidden -> lm_head -> log-probs -> loss ->
-backward``. Composed from :func:`dapo_ops.fused_logprobs_entropy` and
-:func:`dapo_ops.policy_loss`, the log-probs' backward must form every chunk's logits
-again (the loss's gradient is not known in their forward): 4 matmuls over
-``[tokens, vocab]``. Here the loss is known, so each chunk's gradient is formed in the
-forward pass, while its logits are at hand: 3 matmuls, and no ``[tokens, vocab]`` tensor
-ever whole (:mod:`dapo_ops.logprobs._linear_loss`). The derivation and the memory/time trade-off
-are in ``docs/linear_loss.md``.
+backward``. Here the loss is part of the call, so the gradient of the logits is formed
+from ``[tokens]`` vectors the engine computes between two passes over them: the
+two-pass design (:mod:`dapo_ops.logprobs._two_pass`, the logits kept or formed again,
+``keep_logits``) or, on CPU and under ``torch.compile``, chunks whose gradients are
+formed in the forward pass (:mod:`dapo_ops.logprobs._linear_loss`). The checks and the
+dispatch are in :mod:`dapo_ops.logprobs._linear_call`; the derivation and the
+memory/time arithmetic in ``docs/linear_loss.md``.
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ class LinearDiagnostics(NamedTuple):
     approximate KL, and the entropy's sum over the valid tokens: ``policy.entropy`` is
     its mean), 0-dim float64 tensors that add across micro-batches and ranks. ``logp``
     and ``entropy``: the per-token log-probs and entropies the loss used, ``[batch,
-    seq]`` in float32 (float64 for float64 hidden states), for logging or as the next
-    step's ``old_logp`` (at masked positions: those of a zero hidden row, unused). No
-    host sync.
+    seq]`` (``[1, total]`` with ``cu_seqlens``) in float32 (float64 for float64 hidden
+    states), for logging or as the next step's ``old_logp`` (at masked positions: those
+    of a zero hidden row, unused). No host sync.
     """
 
     policy: PolicyDiagnostics
@@ -84,7 +84,7 @@ def linear_policy_loss(
     min_p: float | None = None,
     softcap: float | None = None,
 ) -> Float[Tensor, ""]:
-    r"""The policy loss straight from the last hidden states: 3 matmuls, no logits tensor.
+    r"""The policy loss straight from the last hidden states, without a float32 logits tensor.
 
     .. math::
 
@@ -99,68 +99,107 @@ def linear_policy_loss(
     :math:`H_{i,t}` of the same distribution, aggregated the same way (verl's actor:
     ``pg_loss - entropy_coeff * agg_loss(entropy)``; :func:`entropy_bonus`). It equals
     ``h @ W.T`` -> ``log_softmax`` -> ``gather`` -> :func:`policy_loss` (minus the
-    bonus), and its gradients equal that path's, but the tokens are walked in chunks: a
-    chunk's logits, log-probs and entropies, the objective's ``d loss / d logp``
-    through the engine, and at once the chunk's ``grad_hidden = G W`` and its share of
-    ``grad_weight = G^T h`` (``G`` the gradient w.r.t. the chunk's logits). Backward
-    only scales those by the incoming gradient. See ``docs/linear_loss.md``.
+    bonus), values and gradients, for every objective (sequence-level ones included).
+    Two designs compute it (``backend``; derivation and arithmetic in
+    ``docs/linear_loss.md``):
 
-    Memory: beyond the inputs, the weight gradient (``[vocab, d]``, summed in float32)
-    and one chunk's ``[chunk, vocab]`` float32 buffer, plus a small scratch when the
-    entropy is needed (``entropy_coef`` or the diagnostics); never a ``[tokens, vocab]``
-    tensor. Time: 3 matmuls of ``[tokens, d] x [d, vocab]``, against 4 for
-    :func:`fused_logprobs_entropy` then :func:`policy_loss`.
+    - **two-pass** (``"triton"``, ``"two_pass"``; ``"auto"`` on CUDA): pass 1 forms the
+      logits by cuBLAS products and one fused row kernel gives each token's
+      :math:`\log\pi`, :math:`H` and log-sum-exp; the engine turns these ``[batch, seq]``
+      vectors into the loss, ``a = d loss / d logp`` and ``b = d loss / d H``; backward's
+      pass 2 writes :math:`G = (a(\delta_y - p) - b\,p(\log p + H))/T` over the logits
+      (one row kernel) and multiplies, ``dh = G W``, ``dW = G^T h``, ``db = G^T 1``.
+      Memory (``keep_logits``): kept, the ``[tokens, vocab]`` logits in the input dtype
+      live from forward to backward, 3 products (the naive path's count); formed again,
+      4 products and one reused buffer of ``BUDGET_ELEMENTS`` (``2**27`` elements on a
+      GPU, 256 MiB of bfloat16; ``2**24`` on CPU), pass 2 walking vocabulary slices that
+      each write their rows of ``dW`` once, ``dh`` summed in float32. No float32
+      ``[vocab, d]`` buffer in either.
+    - **chunked** (``"chunked"``; ``"auto"`` on CPU and under ``torch.compile``): a chunk
+      of tokens at a time, its logits, log-probs, entropies, the engine's ``a`` and at
+      once its ``dh`` and its share of ``dW``, all in the forward pass (backward only
+      scales them): 3 products, one ``[chunk, vocab]`` float32 buffer (plus one in the
+      input dtype for bfloat16/float16, and a small scratch for the entropy), the weight
+      gradient summed over chunks in float32. Token-local objectives are chunked by
+      tokens, the others (GSPO, GMPO, VESPO, yours) by whole sequences, a sequence longer
+      than a chunk walked twice (4 products for its rows); objectives without ``grad``
+      are differentiated by autograd, a chunk at a time.
 
-    Every objective works: chunks of tokens for those whose per-token loss reads only
-    its token (Clip-Higher, CISPO, SAPO, DPPO, DRO, REINFORCE, the ratio surrogate),
-    whole sequences for the others (GSPO, GMPO, VESPO, your own), a sequence longer than
-    a chunk walked twice (its logits formed again: 4 matmuls for those rows). Objectives
-    without ``grad`` are differentiated by autograd, one chunk at a time.
-
-    Shapes: hidden ``[batch, seq, d]``; weight ``[vocab, d]`` (``lm_head.weight``); bias
-    ``[vocab]`` or None (one dtype and device with hidden); tokens ``[batch, seq]``
-    integer ids in ``[0, vocab)`` at unmasked positions (checked with one host sync,
-    eager only; masked positions may hold anything, e.g. -100); old_logp, mask, ref_logp,
-    is_weights ``[batch, seq]``; advantages ``[batch]``, ``[batch, 1]`` or
-    ``[batch, seq]``. Returns a 0-dim float32 loss (float64 if hidden, old_logp or the
+    Shapes: hidden ``[batch, seq, d]``; weight ``[vocab, d]`` (``lm_head.weight``; with
+    ``vocab_group`` this rank's rows); bias ``[vocab]`` or None (one dtype and device
+    with hidden); tokens ``[batch, seq]`` integer ids in ``[0, vocab)`` at unmasked
+    positions (masked ones may hold anything, e.g. -100); old_logp, mask, ref_logp,
+    is_weights ``[batch, seq]``; advantages ``[batch]``, ``[batch, 1]`` or ``[batch,
+    seq]``. With ``cu_seqlens`` the packed layout: hidden ``[1, total, d]``, the
+    per-token inputs ``[1, total]``, advantages ``[1, total]`` or one per sequence
+    ``[seqs]``. Returns a 0-dim float32 loss (float64 if hidden, old_logp or the
     advantages are float64); gradients reach hidden, weight and bias in their dtype
-    (bfloat16/float16 matmuls run in it, the softmax and the loss in float32, the
-    weight gradient summed over chunks in float32).
+    (bfloat16/float16 products run in it, the softmax and the loss in float32).
 
     Masked positions reach neither the loss nor any gradient, whatever they hold (NaN
     hidden rows included). With ``normalizer=global_normalizer(masks, mode=...)`` the
     losses and gradients of a step's micro-batches and ranks add up to the whole
     batch's. ``old_logp``, ``advantages``, ``ref_logp``, ``is_weights``, a ``normalizer``
-    or ``entropy_coef`` tensor must not require grad.
+    or ``entropy_coef`` tensor must not require grad. Host syncs (eager only): the
+    unmasked ids' range check, one; ``skip_padding=True`` one more (the count);
+    ``cu_seqlens`` one (its boundaries read); ``vocab_group`` two small object exchanges
+    among its ranks (sizes, shapes and options, then the checks' verdicts).
 
     Options (defaults: ``ClipHigher()`` with DAPO's ``eps_low=0.2, eps_high=0.28`` and
-    ``mode="token_mean"``, DAPO sec. 3.1 and 3.3; the others as :func:`policy_loss`):
+    ``mode="token_mean"``, DAPO sec. 3.1 and 3.3; the loss options as :func:`policy_loss`):
         objective: any :class:`Objective` value.
         temperature: the sampling temperature ``T > 0``; the logits are divided by it.
         entropy_coef: ``c``, a finite number or a 0-dim tensor (e.g. from
-            :func:`adaptive_entropy_coef`); 0 adds no term and computes no entropy.
-        chunk_size: tokens per chunk; ``None`` picks ``max(1, E // vocab)`` with
-            ``E = 2**25`` on CPU, ``2**27`` on GPUs (:func:`fused_logprobs_entropy`'s).
-        backend: ``"chunked"`` (the chunks above), ``"triton"`` (Triton kernels that keep
-            each tile of logits on chip: CUDA tensors, or CPU ones under
-            ``TRITON_INTERPRET=1``; eager only, no ``chunk_size``) or ``"auto"``: the
-            chunked path for now, the kernels on CUDA once measured there
-            (``docs/linear_loss.md``).
+            :func:`adaptive_entropy_coef`); 0 adds no term (the chunked backend then
+            computes no entropy).
+        backend: ``"auto"`` (default): ``"triton"`` on CUDA (``"two_pass"`` without
+            Triton); ``"chunked"`` on CPU and under ``torch.compile``, unless an option
+            only the two-pass design has is given (``keep_logits``, ``vocab_group``,
+            ``skip_padding``, ``cu_seqlens``: then ``"two_pass"``); ``chunk_size`` picks
+            ``"chunked"``. ``"triton"``: the Triton row kernels of :mod:`dapo_ops.kernels`
+            (CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``); ``"two_pass"``: the
+            same design with ATen row functions, any device. Both run eagerly only.
+        keep_logits: the two-pass memory setting: ``True`` keeps the logits (3 products),
+            ``False`` forms them again (4 products, one buffer); ``None`` (default) keeps
+            them when rows x vocab x the input dtype's size is at most
+            ``KEEP_LOGITS_BYTES`` = 4 GiB (8192 x 151936 bfloat16 is 2.3 GiB; rows: those
+            the passes run, vocab: this rank's).
+        chunk_size: the chunked backend's tokens per chunk (giving it picks that
+            backend); ``None``: ``max(1, E // vocab)`` with ``E = 2**25`` on CPU, ``2**27``
+            on GPUs (:func:`fused_logprobs_entropy`'s).
+        vocab_group: a ``torch.distributed`` process group whose ranks split the
+            vocabulary (None, default: not split). ``weight`` (and ``bias``) holds this
+            rank's contiguous rows, slices in rank order of any sizes; ``tokens`` global
+            ids; every rank passes the same hidden states and per-token inputs. The
+            loss, log-probs and entropies are the whole vocabulary's on every rank; the
+            hidden gradient is this rank's partial sum, which Megatron's column-parallel
+            backward all-reduces (outside Megatron, sum it over the group). Bad input
+            raises the same ``InputError`` on every rank. Two-pass backends, no
+            truncation, no double backward (``docs/tensor_parallel.md``).
+        skip_padding: ``False`` (default): every position runs. ``True``: the products
+            and row kernels run on the valid tokens only (counted: one host sync); an
+            ``int``: the caller's count of them (no sync; below the valid tokens the loss
+            is NaN, and checked mode raises). Same results (``docs/padding.md``).
+        cu_seqlens: the boundaries ``[seqs + 1]`` (``0, l_0, l_0 + l_1, ..., total``;
+            flash-attention's and verl's remove-padding format) of packed inputs (None,
+            default: not packed). The engine sees a ``[seqs, max_len]`` grid: sequence
+            objectives and the seq-mean modes work; the products run on the packed rows.
         top_k, top_p, min_p: the rollout sampler's truncation (vLLM's rules; None: off,
             bit for bit today's loss): :math:`\log\pi` and :math:`H` of the distribution
             renormalised over the kept set and the chosen token, as in
-            :func:`token_logprobs`; exact on each chunk's full rows, gradients exact for
-            the kept set.
+            :func:`token_logprobs`; gradients exact for the kept set (on the two-pass
+            backends its threshold is held as a raw logit: ``docs/linear_loss.md``).
         softcap: the model's final-logit cap ``c > 0`` (Gemma-2's
             ``final_logit_softcapping``, e.g. 30.0; Liger's ``softcap``): the logits are
             :math:`\mathrm{cap}(z) = c\tanh(z/c)` before the temperature, as vLLM samples
-            them; gradients through :math:`1 - \tanh^2(z/c)`, on either backend. None
+            them; gradients through :math:`1 - \tanh^2(z/c)`, on every backend. None
             (default): no cap, bit for bit as without; set, one more ``[chunk, vocab]``
-            buffer on the chunked path.
+            buffer on the chunked backend.
 
     Double backward (``create_graph=True``) differentiates the definition (the whole
-    logits, the naive path's memory). Under ``torch.compile(fullgraph=True)`` the chunks
-    are traced as functional ops (objectives with ``grad``).
+    logits, the naive path's memory; not with ``vocab_group``, ``skip_padding`` or
+    ``cu_seqlens``). Under ``torch.compile(fullgraph=True)`` the chunked backend is
+    traced as functional ops (objectives with ``grad``).
 
     Example:
         >>> g = torch.Generator().manual_seed(0)
@@ -206,9 +245,10 @@ def linear_policy_loss_with_diagnostics(
     :func:`objective_diagnostics` of the objective on the log-probs the loss used (clip
     fractions, ratio statistics, approximate KL) with the entropy's sum (``.entropy``:
     its mean over the valid tokens), and those log-probs and entropies, all detached
-    and on the device (no host sync beyond :func:`linear_policy_loss`'s one, the token-id
-    range check). The entropies cost one more pass over each chunk and a small scratch
-    buffer.
+    and on the device (no host sync beyond :func:`linear_policy_loss`'s). With
+    ``cu_seqlens`` ``logp`` and ``entropy`` come in the packed ``[1, total]`` layout of
+    the arguments. On the chunked backend the entropies cost one more pass over each
+    chunk and a small scratch buffer; the two-pass backends have them from pass 1.
 
     Example:
         >>> g = torch.Generator().manual_seed(0)

@@ -13,9 +13,10 @@ for the backward pass. The functions here work on blocks of rows:
   (:mod:`dapo_ops.logprobs._logits_path`). ``inplace_backward=True`` writes the gradient into the
   logits buffer itself.
 - :func:`fused_logprobs_entropy` takes the last hidden states and the output projection:
-  the logits exist one chunk at a time, in forward and in backward
-  (:mod:`dapo_ops.logprobs._fused_linear`, the machinery :func:`dapo_ops.linear_policy_loss`
-  shares).
+  the two-pass design (:mod:`dapo_ops.logprobs._two_pass`: cuBLAS products and one fused
+  row kernel per pass, the logits kept in the input dtype or formed again) or chunks of
+  rows (:mod:`dapo_ops.logprobs._fused_linear`), the machinery
+  :func:`dapo_ops.linear_policy_loss` shares.
 
 Softmax math runs in float32 per block (float64 for float64 input); outputs are float32
 (float64); gradients come back in the input dtype. The derivation and the memory
@@ -225,55 +226,77 @@ def fused_logprobs_entropy(
     min_p: float | None = None,
     softcap: float | None = None,
 ) -> LogpEntropy:
-    r"""Log-probs and entropies straight from hidden states: the logits never exist whole.
+    r"""Log-probs and entropies straight from hidden states: no float32 logits tensor.
 
-    For each chunk of ``chunk_size`` rows: ``z = hidden @ weight.T (+ bias)`` in the input
-    dtype, then in float32 :math:`\ell = \log\mathrm{softmax}(z/T)` (one fused kernel,
-    over the chunk buffer itself on CPU), :math:`\log\pi(y_t) = \ell_{t,y_t}` and
-    :math:`H_t = -\sum_v e^{\ell_{t,v}}\ell_{t,v}`. Only the entropies are kept for
-    backward, which forms each chunk's logits again and then
+    For ``z = hidden @ weight.T (+ bias)``, in float32 (float64 for float64 input),
+    :math:`\ell = \log\mathrm{softmax}(\mathrm{cap}(z)/T)`, :math:`\log\pi(y_t) =
+    \ell_{t,y_t}` and :math:`H_t = -\sum_v e^{\ell_{t,v}}\ell_{t,v}`; backward, for the
+    incoming gradients :math:`g^{\log p}` and :math:`g^H`,
 
     .. math::
 
         G = \frac{1}{T}\big(g^{\log p}(\mathrm{onehot}(y) - p) - g^{H} p (\log p + H)\big),
-        \quad \partial_{hidden} = G\,W,\quad \partial_W = \sum_{chunks} G^\top h,
-        \quad \partial_b = \sum_{chunks} G^\top \mathbf{1}
+        \quad \partial_{hidden} = G\,W,\quad \partial_W = G^\top h,
+        \quad \partial_b = G^\top \mathbf{1}
 
-    so peak memory is the weight gradient plus one chunk's ``[chunk, vocab]`` buffer
-    instead of several ``[tokens, vocab]`` float32 tensors, at the price of one extra
-    ``hidden @ weight.T`` in backward (4 matmuls instead of 3; when the loss is a policy
-    loss, :func:`dapo_ops.linear_policy_loss` needs only 3). Gradients are exact and
-    reach both outputs.
+    (times :math:`1 - \tanh^2(z/c)` with a cap). Gradients are exact and reach both
+    outputs. Two designs (``backend``, as :func:`dapo_ops.linear_policy_loss`'s):
+
+    - **two-pass** (``"triton"``, ``"two_pass"``; ``"auto"`` on CUDA): forward forms the
+      logits by cuBLAS products and one fused row kernel keeps per token ``log p_y``,
+      ``H`` and the log-sum-exp; backward writes ``G`` over the logits with a second row
+      kernel, then ``G W`` and ``G^T h``. ``keep_logits=True`` keeps the ``[tokens,
+      vocab]`` logits in the input dtype from forward to backward (3 products in all);
+      ``False`` forms them again (4 products, one reused buffer of ``2**27`` elements on
+      a GPU, ``2**24`` on CPU; ``dW`` written a vocabulary slice at a time, ``dh`` summed
+      in float32); ``None`` (default) keeps them up to 4 GiB (``KEEP_LOGITS_BYTES``).
+    - **chunked** (``"chunked"``; ``"auto"`` on CPU and under ``torch.compile``): a
+      chunk of ``chunk_size`` rows at a time, one fused ``log_softmax`` over the chunk
+      buffer (in place on CPU), only the entropies kept for backward, which forms each
+      chunk's logits again: 4 products, one ``[chunk, vocab]`` float32 buffer, the
+      weight and bias gradients summed over chunks in float32. When the loss is a policy
+      loss, :func:`dapo_ops.linear_policy_loss` needs only 3 on this backend.
 
     Shapes: hidden ``[tokens, d]`` or ``[batch, seq, d]``; weight ``[vocab, d]`` (the
-    ``lm_head.weight``); tokens ``[tokens]`` or ``[batch, seq]`` with ids in
-    ``[0, vocab)`` (checked with one host sync, as in :func:`token_logprobs`); bias
-    ``[vocab]`` or None. hidden, weight and bias share one floating dtype and device.
-    Returns ``LogpEntropy(logp, entropy)``, float32 (float64 for float64 input), shaped
-    like ``tokens``; gradients come back in the input dtype, the weight and bias ones
-    accumulated over chunks in float32 first.
+    ``lm_head.weight``; with ``vocab_group`` this rank's rows); tokens ``[tokens]`` or
+    ``[batch, seq]`` with ids in ``[0, vocab)`` (checked with one host sync, eager only,
+    as in :func:`token_logprobs`); bias ``[vocab]`` or None. hidden, weight and bias
+    share one floating dtype and device. Returns ``LogpEntropy(logp, entropy)``, float32
+    (float64 for float64 input), shaped like ``tokens``; gradients come back in the input
+    dtype. With ``vocab_group`` the two small object exchanges of
+    :func:`dapo_ops.linear_policy_loss` come on top of the host sync.
 
     Options:
         temperature: logits are divided by ``T > 0`` (default 1).
-        chunk_size: rows per chunk; ``None`` picks ``max(1, E // vocab)`` rows with
-            ``E = 2**25`` on CPU (1048 rows at vocab 32000, 220 at 152064) and ``2**27``
-            on GPUs (882 rows at 152064): enough rows that adding each chunk's
-            ``G.T @ h`` to the weight gradient (a read and write of ``[vocab, d]``) costs
-            little next to its FLOPs. Smaller chunks lower peak memory and cost time.
-        backend: ``"chunked"``, ``"triton"`` or ``"auto"``, as in
-            :func:`dapo_ops.linear_policy_loss` (the kernels keep each tile of logits on
-            chip and store the log-sum-exp per row for backward).
+        backend: ``"auto"`` (default), ``"triton"``, ``"two_pass"`` or ``"chunked"``, as
+            in :func:`dapo_ops.linear_policy_loss` (``keep_logits`` and ``vocab_group``
+            pick a two-pass one on CPU; the two-pass backends run eagerly only).
+        keep_logits: the two-pass memory setting, as above: True, False, or None
+            (default: by size, ``tokens x vocab x`` the dtype's size at most 4 GiB).
+        chunk_size: the chunked backend's rows per chunk (giving it picks that backend);
+            ``None`` picks ``max(1, E // vocab)`` rows with ``E = 2**25`` on CPU (1048 rows
+            at vocab 32000, 220 at 152064) and ``2**27`` on GPUs (882 rows at 152064):
+            enough rows that adding each chunk's ``G.T @ h`` to the weight gradient (a
+            read and write of ``[vocab, d]``) costs little next to its FLOPs.
+        vocab_group: a process group whose ranks split the vocabulary (None, default:
+            not split), as in :func:`dapo_ops.linear_policy_loss`: ``weight`` this rank's
+            contiguous rows, global ids; both outputs are the whole vocabulary's on every
+            rank (pass 1's pieces merged by two all-reduces of ``[tokens]`` vectors), the
+            hidden gradient this rank's partial sum; no truncation, no double backward
+            (``docs/tensor_parallel.md``).
         top_k, top_p, min_p: the sampler's truncation, as in :func:`token_logprobs`
-            (log-probs and entropies over :math:`K \cup \{y\}`), exact on each chunk's
-            full rows; the per-row thresholds are saved, so backward keeps the same set.
+            (log-probs and entropies over :math:`K \cup \{y\}`), exact on full rows; the
+            per-row thresholds are saved (as raw logits on the two-pass backends), so
+            backward keeps the same set.
         softcap: the final-logit cap ``c > 0`` (None: off, bit for bit as without):
             ``z -> c tanh(z / c)`` before the temperature (Gemma-2's
             ``final_logit_softcapping``), as in :func:`dapo_ops.linear_policy_loss`.
 
-    Double backward (``create_graph=True``) is supported as in :func:`token_logprobs`:
-    the gradient is then formed from the whole ``hidden @ weight.T`` with differentiable
-    ops. hidden, weight and bias are saved with ``save_for_backward``: modifying one in
-    place before backward raises instead of giving a different gradient.
+    Double backward (``create_graph=True``) is supported as in :func:`token_logprobs`
+    (not with ``vocab_group``): the gradient is then formed from the whole ``hidden @
+    weight.T`` with differentiable ops. hidden, weight and bias are saved with
+    ``save_for_backward``: modifying one in place before backward raises instead of
+    giving a different gradient.
 
     Example:
         >>> hidden, weight = torch.randn(6, 8), torch.randn(32, 8)
