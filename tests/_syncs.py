@@ -342,11 +342,14 @@ def _kernels_opaque() -> Iterator[None]:
         finally:
             _PAUSED.pop()
 
+    from _interpreter import index_fix
+
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     InterpretedFunction.run = launch  # type: ignore[method-assign]
     try:
-        yield
+        with index_fix():  # Triton 3.6's interpreter under NumPy 2.4
+            yield
     finally:
         InterpretedFunction.run = run  # type: ignore[method-assign]
         if saved is None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from typing import Any
 
 import jaxtyping
 import pytest
@@ -91,61 +90,18 @@ def checker(request: pytest.FixtureRequest) -> Iterator[str]:
         jaxtyping.config.update("jaxtyping_disable", False)
 
 
-def _unwrap_dataclass_inits() -> None:
-    """Give dapo_ops' frozen dataclasses (objectives, KLPenalty, presets) their plain
-    methods back.
-
-    The annotation checker wraps a method in a closure holding an ``inspect.Signature``,
-    which ``torch.compile`` cannot trace when the dataclass is built inside a compiled
-    function (``token_level_loss`` builds a ``ClipHigher``: ``__init__`` then
-    ``__post_init__``); without the checker (every user's case) construction traces
-    fine. The fields are validated by each class's own ``__post_init__`` either way.
-    """
-    import dataclasses
-    import inspect
-    import sys
-
-    import dapo_ops  # noqa: F401  (imports every module that defines a dataclass)
-    from dapo_ops._core._checked import checks_values
-
-    modules = [m for n, m in sys.modules.items() if n.startswith("dapo_ops")]
-    for module in modules:
-        for value in vars(module).values():
-            if isinstance(value, type) and dataclasses.is_dataclass(value):
-                for name, attr in list(vars(value).items()):
-                    if callable(attr) and hasattr(attr, "__wrapped__"):
-                        plain = attr.__wrapped__
-                        if getattr(attr, "__dapo_checked__", False):  # checked mode's stays
-                            plain = checks_values(inspect.unwrap(attr))
-                        setattr(value, name, plain)
-
-
-_unwrap_dataclass_inits()
-
-
 @pytest.fixture
 def triton_interpreter(
     request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[None]:
     """``TRITON_INTERPRET=1`` for one test only (kernel modules are loaded once per mode by
     ``dapo_ops._core._triton.load_kernels``; Triton itself may have been imported in
-    either). Triton 3.6's interpreter reads a scalar loop bound with ``int()`` of a
-    1-element array, which NumPy 2.4 refuses: here it reads the single element instead
-    (Triton fixed it in a later release). NumPy's warning for ``0 * -inf`` in a branch
-    ``tl.where`` discards is silenced."""
-    import numpy as np
-    from triton.runtime import interpreter as interp
+    either), with Triton 3.6's interpreter fixed for NumPy 2.4 (``_interpreter.py``)."""
+    from _interpreter import index_fix
 
     # .ci/triton re-runs `-m triton` under each supported Triton: a kernel test carries it
     assert request.node.get_closest_marker("triton"), "mark the test pytest.mark.triton"
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    original = interp._patch_lang_tensor
-
-    def patch(tensor: Any, scope: Any) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda x: int(x.handle.data.reshape(-1)[0]))
-
-    monkeypatch.setattr(interp, "_patch_lang_tensor", patch)
-    with np.errstate(invalid="ignore"):
+    with index_fix():
         yield

@@ -52,7 +52,7 @@ def test_nav_lists_every_page_and_only_existing_pages() -> None:
 NAV_STAGES = {
     "Getting started": ("demo",),
     "Rewards, advantages and sampling": ("rewards", "advantages"),
-    "Log-probs": ("logprobs",),
+    "Log-probs": ("kernels", "logprobs"),
     "Objectives and the loss": ("objectives", "engine", "presets"),
     "Normalisation and distributed training": (),
     "Rollout correction": ("correction",),
@@ -99,6 +99,15 @@ def test_griffe_extension_rewrites_rest_constructs() -> None:
 
 
 DOCS_TOOLS = ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python")
+
+
+def test_docs_extra_brings_a_signature_formatter() -> None:
+    """mkdocstrings formats the API page's separate signatures with Black or Ruff and
+    silently leaves them unformatted without one: the docs extra asks for Ruff."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    docs = project["optional-dependencies"]["docs"]
+    assert any(r.startswith(("ruff", "black")) for r in docs), docs
 
 
 @pytest.mark.skipif(
@@ -200,3 +209,36 @@ def test_objectives_page_example_runs_and_passes_the_conformance_checks(
     assert isinstance(objective, dapo_ops.Objective)
     assert type(objective).grad is not dapo_ops.Objective.grad  # the fused path
     exec(compile(checking.group(1), "docs/objectives.md", "exec"), module.__dict__)
+
+
+_ARXIV = re.compile(r"arXiv:(\d{4}\.\d{4,5})")
+
+
+def _cited_units() -> list[tuple[str, object]]:
+    """Every objective (``OBJECTIVES``) and every advantage estimator (the
+    ``*_advantages`` functions of :mod:`dapo_ops.advantages`)."""
+    import dapo_ops.advantages
+    import dapo_ops.objectives
+
+    objectives = [(c.__name__, c) for c in dapo_ops.objectives.OBJECTIVES]
+    estimators = [
+        (name, getattr(dapo_ops.advantages, name))
+        for name in dapo_ops.advantages.__all__
+        if name.endswith("_advantages")
+    ]
+    return objectives + estimators
+
+
+@pytest.mark.parametrize(
+    ("name", "unit"), _cited_units(), ids=lambda v: v if isinstance(v, str) else ""
+)
+def test_every_objective_and_estimator_cites_its_paper(name: str, unit: object) -> None:
+    """Its docstring names the paper (first author, year, arXiv id), and docs/references.md
+    lists it beside the same arXiv id."""
+    doc = " ".join((unit.__doc__ or "").split())
+    ids = _ARXIV.findall(doc)
+    assert ids, f"{name}'s docstring cites no arXiv id"
+    assert re.search(r"[A-Z][\w-]+(?: et al\.| and [A-Z]\w+| Team)? (?:19|20)\d\d", doc), name
+    rows = [r for r in (DOCS / "references.md").read_text().splitlines() if f"`{name}" in r]
+    assert rows, f"docs/references.md has no row for {name}"
+    assert any(i in r for r in rows for i in ids), (name, ids, rows)

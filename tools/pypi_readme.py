@@ -21,9 +21,10 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "README.md"
 TARGET = ROOT / "README.pypi.md"
 NOTE = (
-    "*This is README.md as the package index shows it. Paths such as `docs/loss.md` name "
-    "the documentation pages, which ship in the source distribution "
-    "(`pip download --no-binary :all: --no-deps dapo_ops`).*"
+    "*This is README.md as the package index shows it. From the index, install with "
+    '`pip install dapo_ops` (extras: `pip install "dapo_ops[demo]"`); the `pip install -e` '
+    "commands below run in a clone of the repository. Paths such as `docs/loss.md` name "
+    "the documentation pages, which ship in the source distribution and the repository.*"
 )
 _IMAGE = re.compile(r"!\[([^\]]*)\]\(([^)\s]+)\)")
 _LINK = re.compile(r"\[([^\]]+)\]\(([^)\s]+)\)")
