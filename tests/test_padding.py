@@ -124,13 +124,15 @@ def test_a_count_below_the_valid_tokens_is_loud() -> None:
         d.linear_policy_loss(*args, skip_padding=True, backend="chunked")
 
 
-def pack(p: dict[str, Tensor], lengths: list[int]) -> tuple[dict[str, Tensor], Tensor]:
+def pack(
+    p: dict[str, Tensor], lengths: list[int], more: tuple[str, ...] = ()
+) -> tuple[dict[str, Tensor], Tensor]:
     """The padded batch packed as verl's remove-padding forward packs it: each row's
     first ``lengths[i]`` tokens (its attention mask; the loss mask travels along, so a
     prompt token inside a sequence stays masked), rows of no token dropped; and
     ``cu_seqlens``."""
     rows = [i for i in range(B) if lengths[i]]
-    keys = ("hidden", "tokens", "old", "mask")
+    keys = ("hidden", "tokens", "old", "mask", *more)
     flat = {k: torch.cat([p[k][i, : lengths[i]] for i in rows]).unsqueeze(0) for k in keys}
     cu = torch.tensor([0, *torch.tensor([lengths[i] for i in rows]).cumsum(0).tolist()])
     return flat | {"adv": p["adv"][rows], "weight": p["weight"], "bias": p["bias"]}, cu
@@ -204,3 +206,34 @@ def test_skip_padding_in_distillation(lengths: list[int], opts: dict[str, Any], 
     n = int(p["mask"].sum())
     for skip in (True, n):
         assert_same(call(skip_padding=skip), want, f"skip_padding={skip}")
+
+
+@pytest.mark.parametrize("skip", [False, True])
+@pytest.mark.parametrize(
+    "opts",
+    [{"kind": "jsd", "mode": "seq_mean_token_mean"}, {"topk": 3, "topk_tail": "bucket", "mode": "seq_mean_token_sum"}],
+    ids=["jsd", "topk-bucket"],
+)  # fmt: skip
+def test_cu_seqlens_in_distillation(opts: dict[str, Any], skip: bool) -> None:
+    """Packed distillation inputs (the teacher's logits packed alike) give the padded
+    call's loss, per-token losses and gradients, each sequence weighed as one."""
+    lengths = [S, 4, 0, 2]
+    p = problem(lengths)
+    p["mask"][0, 0] = False  # a prompt token inside the first sequence
+    teacher = 2 * torch.randn(B, S, V, generator=torch.Generator().manual_seed(3), dtype=F64)
+    q, cu = pack({**p, "teacher": teacher}, lengths, ("teacher",))
+
+    def call(r: dict[str, Tensor], t: Tensor, **extra: Any) -> list[Tensor]:
+        leaves = [r[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")]
+        loss, diag = d.linear_distill_loss_with_diagnostics(
+            leaves[0], leaves[1], t, r["mask"], bias=leaves[2], backend="two_pass", **opts, **extra
+        )
+        return [loss.detach(), diag.per_token, *torch.autograd.grad(loss, leaves)]
+
+    want = call(p, teacher)
+    got = call(q, q["teacher"], cu_seqlens=cu, skip_padding=skip)
+    inside = torch.arange(S) < torch.tensor(lengths)[:, None]
+    assert_same(got[:1], want[:1], "loss")
+    assert_same([got[1][0]], [want[1][inside]], "per-token losses")
+    assert_same([got[2][0]], [want[2][inside]], "hidden gradient")
+    assert_same(got[3:], want[3:], "weight and bias gradients")

@@ -9,7 +9,7 @@ runs the chunked path or the two-pass design (``backend``, ``keep_logits``,
 from __future__ import annotations
 
 import math
-from typing import Literal, TypedDict
+from typing import Any, Literal, TypedDict
 
 import torch
 from torch import Tensor
@@ -39,7 +39,7 @@ from dapo_ops.logprobs._distill_terms import DistillInputs, DistillSpec, LinearD
 from dapo_ops.logprobs._distill_two_pass import TwoPassDistill
 from dapo_ops.logprobs._fused_linear import DEFAULT_FUSED_CHUNK_ELEMENTS
 from dapo_ops.logprobs._logprob_checks import auto_chunk, check_options, check_projection
-from dapo_ops.logprobs._packing import check_skip_padding, skip_padding_map
+from dapo_ops.logprobs._packing import check_skip_padding, packed_map, skip_padding_map
 from dapo_ops.logprobs._softcap import check_softcap
 from dapo_ops.logprobs._two_pass import two_pass_spec
 from dapo_ops.logprobs._vocab_parallel import VocabSplit, split_vocab, tp_only_normalizer
@@ -73,6 +73,7 @@ class DistillOptions(TypedDict, total=False):
     keep_logits: bool | None
     vocab_group: object
     skip_padding: bool | int
+    cu_seqlens: Tensor | None
 
 
 def _prepare(
@@ -152,7 +153,11 @@ def _run(
     o: DistillOptions, split: VocabSplit | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     backend, keep, skip = o.get("backend", "auto"), o.get("keep_logits"), o.get("skip_padding", False)  # fmt: skip
-    needs = "vocab_group" if split is not None else ("skip_padding" if skip is not False else None)
+    needs = next(
+        (name for name, on in (("vocab_group", split is not None), ("cu_seqlens", t.grid is not None),
+         ("skip_padding", skip is not False)) if on),
+        None,
+    )  # fmt: skip
     path = resolve(backend, h.device, o.get("chunk_size"), keep, needs)
     if path != "chunked":
         count = check_skip_padding(skip, t.valid)
@@ -170,13 +175,31 @@ def _run(
     return loss, terms.loss, empty if sm is None else sm, empty if tm is None else tm
 
 
+def _packed(hidden: object, o: DistillOptions) -> Any:
+    """The grid of ``cu_seqlens`` (None without it); ``hidden`` must be ``[1, total, d]``."""
+    cu = o.get("cu_seqlens")
+    if cu is None:
+        return None
+    check_float("hidden", hidden)  # type: ignore[arg-type]
+    assert isinstance(hidden, Tensor)
+    if hidden.ndim != 3 or hidden.shape[0] != 1:
+        raise InputError(
+            f"hidden must have shape [1, total, d] with cu_seqlens (the packed layout of "
+            f"verl's remove-padding forward), got {shape_str(hidden)}"
+        )
+    return packed_map(cu, hidden.shape[1], hidden.device)
+
+
 def run(
     hidden: object, weight: object, teacher: object, mask: object, o: DistillOptions
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(loss, per-token loss, student mass, teacher mass)`` of a checked call."""
-    group = o.get("vocab_group")
+    """``(loss, per-token loss, student mass, teacher mass)`` of a checked call. With
+    ``cu_seqlens`` every input stays packed (``[1, total, ...]``); only the aggregation
+    weights are found on the sequences' grid."""
+    group, grid = o.get("vocab_group"), _packed(hidden, o)
     if group is None:
-        return _run(*_prepare(hidden, weight, teacher, mask, o), o, None)
+        spec, h, w, b, t = _prepare(hidden, weight, teacher, mask, o)
+        return _run(spec, h, w, b, t._replace(grid=grid), o, None)
     o = o | {"normalizer": tp_only_normalizer(group, o.get("normalizer"))}  # type: ignore[typeddict-item,assignment]
     keys = ("kind", "beta", "temperature", "topk", "log_prob_min_clamp", "loss_clamp", "mode",
             "max_len", "softcap", "topk_tail", "topk_support", "backend", "keep_logits")  # fmt: skip
@@ -186,4 +209,4 @@ def run(
     (spec, h, w, b, t), split = split_vocab(
         group, weight, agreed, lambda v: _prepare(hidden, weight, teacher, mask, o, v)
     )
-    return _run(spec, h, w, b, t, o, split)
+    return _run(spec, h, w, b, t._replace(grid=grid), o, split)

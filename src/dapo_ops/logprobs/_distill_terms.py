@@ -73,6 +73,7 @@ class DistillInputs(NamedTuple):
     valid: Tensor  # [batch, seq] bool
     normalizer: Tensor | None  # 0-dim, or None: the local count
     is_weights: Tensor | None = None  # [batch, seq] constant weights on the tokens' losses
+    grid: Any = None  # cu_seqlens: the sequences' grid of the packed [1, total] inputs
 
 
 def _full_terms(spec: DistillSpec, lp: Tensor, t: Tensor, grad: bool) -> Terms:
@@ -170,7 +171,10 @@ def _scale(spec: DistillSpec, t: DistillInputs, dtype: torch.dtype) -> Tensor:
     """Each token's weight ``w`` in the loss ``sum w l`` (0 at masked positions): the
     aggregation's, times ``is_weights``."""
     den = "local" if t.normalizer is None else t.normalizer
-    scale = loss_scale(t.valid, mode=spec.mode, normalizer=den, max_len=spec.max_len, dtype=dtype)  # type: ignore[arg-type]  # fmt: skip
+    valid = t.valid if t.grid is None else t.grid.lay_out(t.valid, False)  # sequences: the grid
+    scale = loss_scale(valid, mode=spec.mode, normalizer=den, max_len=spec.max_len, dtype=dtype)  # type: ignore[arg-type]  # fmt: skip
+    if t.grid is not None:  # back to the packed tokens
+        scale = t.grid.pack(scale.expand(valid.shape))
     if t.is_weights is not None:
         scale = scale * t.is_weights.to(dtype)
     return torch.where(t.valid, scale.expand(t.valid.shape), 0.0).reshape(-1)

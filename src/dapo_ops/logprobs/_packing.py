@@ -70,6 +70,14 @@ class Packed(NamedTuple):
     grid: tuple[int, int]  # (seqs, max_len)
     dst: Tensor  # [total] int64: each packed token's position in the flattened grid
 
+    def lay_out(self, x: Tensor, fill: float | bool = 0) -> Tensor:
+        """A packed ``[1, total]`` tensor in the grid (:func:`to_grid`)."""
+        return to_grid(x, self, fill)
+
+    def pack(self, x: Tensor) -> Tensor:
+        """A grid tensor back to ``[1, total]`` (:func:`from_grid`)."""
+        return from_grid(x, self)
+
 
 def packed_map(cu_seqlens: object, total: int, device: torch.device) -> Packed:
     """The grid of the sequences ``cu_seqlens`` delimits (one host read of it)."""

@@ -72,6 +72,7 @@ def linear_distill_loss(
     keep_logits: bool | None = None,
     vocab_group: object = None,
     skip_padding: bool | int = False,
+    cu_seqlens: Integer[Tensor, " seqs_plus_1"] | None = None,
 ) -> Float[Tensor, ""]:
     r"""A distillation loss from the student's last hidden states: no float32 logits tensor.
 
@@ -150,6 +151,10 @@ def linear_distill_loss(
     double backward. ``skip_padding`` (False: off): the passes on the valid tokens only,
     ``True`` counting them (one host sync), an ``int`` the caller's count (none; below
     the valid tokens the loss is NaN, checked mode raises; ``docs/padding.md``).
+    ``cu_seqlens`` (None: off): packed inputs as verl's remove-padding forward makes them
+    (``hidden [1, total, d]``, ``teacher [1, total, ...]``, ``mask`` and ``is_weights``
+    ``[1, total]``) with the boundaries ``[seqs + 1]``: the seq-mean modes weigh each
+    sequence (one host read of the boundaries); two-pass only.
 
     Shapes and dtypes: hidden ``[batch, seq, d]``, weight ``[vocab, d]``, bias ``[vocab]``
     (one dtype, one device); teacher_ids integer in ``[0, vocab)`` at unmasked positions
@@ -160,8 +165,8 @@ def linear_distill_loss(
     teacher must not require grad. ``chunk_size``: tokens per chunk (None: ``max(1, E //
     vocab)``, as :func:`linear_policy_loss`). Under ``torch.compile(fullgraph=True)`` the
     chunks are traced as functional ops; double backward differentiates the naive
-    composition. Host syncs beyond the ids' check: ``skip_padding=True`` one, and
-    ``vocab_group`` two small object exchanges among its ranks.
+    composition. Host syncs beyond the ids' check: ``skip_padding=True`` one,
+    ``cu_seqlens`` one, and ``vocab_group`` two small object exchanges among its ranks.
 
     Example:
         >>> g = torch.Generator().manual_seed(0)
@@ -181,6 +186,7 @@ def linear_distill_loss(
         "chunk_size": chunk_size, "softcap": softcap, "is_weights": is_weights,
         "topk_tail": topk_tail, "topk_support": topk_support, "backend": backend,
         "keep_logits": keep_logits, "vocab_group": vocab_group, "skip_padding": skip_padding,
+        "cu_seqlens": cu_seqlens,
     }  # fmt: skip
     return run(hidden, weight, teacher, mask, options)[0]
 
