@@ -106,10 +106,11 @@ def pass1(
 
 
 def uniform_rows(tp: TwoPassSpec, width: int) -> int | None:
-    """Rows per block alike on every rank of a split (its collectives run per block)."""
+    """Rows per block alike on every rank of a split (its collectives run per block): from
+    the global vocabulary, so a rank's block is its share of ``TORCH_ROWS_ELEMENTS``."""
     if tp.split is None:
         return None
-    return max(1, min(tp.budget, TORCH_ROWS_ELEMENTS) // max(tp.split.widest, 1))
+    return max(1, TORCH_ROWS_ELEMENTS // max(tp.split.vocab, 1))
 
 
 def _entries(

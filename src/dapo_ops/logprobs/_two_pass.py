@@ -57,7 +57,8 @@ BUDGET_ELEMENTS = {"cpu": 2**24, "other": 2**27}
 KEEP_LOGITS_BYTES = 4 * 2**30
 
 #: With the torch row functions, rows per call: their float temporaries stay a few
-#: times this many elements.
+#: times this many elements. Both this and the budget are a rank's share of them with a
+#: split vocabulary (its memory falls with the number of ranks).
 TORCH_ROWS_ELEMENTS = 2**22
 
 
@@ -69,8 +70,9 @@ class TwoPassSpec:
     trunc: Truncation | None
     impl: RowImpl
     keep: bool
-    budget: int
+    budget: int  # elements of the recomputing buffer
     split: VocabSplit | None = None  # the rank's share of a split vocabulary, or None
+    piece: int = 2**22  # elements of the torch row functions' (and thresholds') pieces
 
 
 def keep_by_size(keep_logits: bool | None, tokens: int, vocab: int, dtype: torch.dtype) -> bool:
@@ -97,9 +99,15 @@ def two_pass_spec(
         )
     # with a truncation the kept set is decided once, over logits formed once: kept
     keep = True if trunc is not None else keep_by_size(keep_logits, tokens, vocab, h.dtype)
-    budget = BUDGET_ELEMENTS["cpu" if h.device.type == "cpu" else "other"]
+    budget, piece = (
+        BUDGET_ELEMENTS["cpu" if h.device.type == "cpu" else "other"],
+        TORCH_ROWS_ELEMENTS,
+    )
+    if split is not None:  # a rank's buffers its share of the vocabulary's: memory / tp
+        budget = max(1, budget * split.size // split.vocab)
+        piece = max(1, piece * split.size // split.vocab)
     impl: RowImpl = "triton" if path == "triton" else "torch"
-    return TwoPassSpec(rows, trunc, impl, keep, budget, split)
+    return TwoPassSpec(rows, trunc, impl, keep, budget, split, piece)
 
 
 def local_ids(tok: Tensor, spec: TwoPassSpec) -> Tensor:
@@ -131,11 +139,11 @@ def _view(buf: Tensor, rows: int, cols: int) -> Tensor:
 def _thresholds(z: Tensor, spec: TwoPassSpec) -> Tensor | None:
     """Raw-logit thresholds of the rows of ``z``: the smallest raw logit whose ``x`` is
     at least the sampler's threshold on ``x`` (a piece of rows at a time: the float
-    temporaries stay a few times ``TORCH_ROWS_ELEMENTS``)."""
+    temporaries stay a few times ``spec.piece``)."""
     if spec.trunc is None:
         return None
     cdt, cap = compute_dtype(z.dtype), spec.rows.softcap
-    step = max(1, TORCH_ROWS_ELEMENTS // max(z.shape[1], 1))
+    step = max(1, spec.piece // max(z.shape[1], 1))
     out = []
     for s in range(0, z.shape[0], step):
         raw = z[s : s + step].to(cdt)
@@ -147,7 +155,7 @@ def _thresholds(z: Tensor, spec: TwoPassSpec) -> Tensor | None:
 
 
 def _row_pieces(spec: TwoPassSpec, rows: int, cols: int) -> list[tuple[int, int]]:
-    step = rows if spec.impl == "triton" else max(1, TORCH_ROWS_ELEMENTS // max(cols, 1))
+    step = rows if spec.impl == "triton" else max(1, spec.piece // max(cols, 1))
     return [(s, min(s + step, rows)) for s in range(0, rows, step)]
 
 
