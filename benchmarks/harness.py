@@ -83,6 +83,9 @@ class Result:
     basis_bytes: int = 0
     kernels: int | None = None
     error: str | None = None
+    #: the collectives one call makes, in order: ``[phase, op, what, bytes]`` each
+    #: (:mod:`benchmarks.collectives`; None: not counted)
+    collectives: list[list[Any]] | None = None
 
     @property
     def median(self) -> float:

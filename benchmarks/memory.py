@@ -14,7 +14,8 @@ Two figures:
   mmap threshold is pinned at 64 KiB in the child so that freed buffers go back to the
   OS and the counter sees every large temporary.
 
-CUDA: ``max_memory_allocated`` minus the allocation before the call, in-process.
+CUDA: ``max_memory_allocated`` minus the allocation before the call, in-process
+(:func:`benchmarks.peak.measure_cuda`).
 """
 
 from __future__ import annotations
@@ -31,33 +32,10 @@ from typing import Any
 
 import torch
 
-from benchmarks.harness import Case, Fn, Impl, Protocol, address_space_cap, status_bytes
+from benchmarks.harness import Case, Impl, Protocol, address_space_cap, status_bytes
+from benchmarks.peak import TensorPeak
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-class TensorPeak:
-    """Peak bytes of live tensors allocated inside the block (profiler allocator events)."""
-
-    peak = 0
-
-    def __enter__(self) -> TensorPeak:
-        self.prof = torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-        )
-        self.prof.__enter__()  # type: ignore[no-untyped-call]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.prof.__exit__(None, None, None)  # type: ignore[no-untyped-call]
-        profiler = self.prof.profiler
-        assert profiler is not None
-        kineto: Any = profiler.kineto_results
-        events = [e for e in kineto.events() if e.name() == "[memory]"]
-        cur = 0
-        for e in sorted(events, key=lambda e: e.start_ns()):
-            cur += e.nbytes()
-            self.peak = max(self.peak, cur)
 
 
 def _reset_peak() -> int:
@@ -127,16 +105,6 @@ def measure_cpu(
         return (int(got["rss"]), int(got["tensors"])), ""
     except Exception as e:  # reported, the run goes on
         return None, f"{type(e).__name__}: {str(getattr(e, 'stderr', ''))[-300:]}"
-
-
-def measure_cuda(fn: Fn) -> int:
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return int(torch.cuda.max_memory_allocated() - base)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks import glance
+from benchmarks import collectives, glance
 from benchmarks.harness import Case, Result, Target
 from benchmarks.pending import PENDING, PENDING_SUITES, pending_suite
 from benchmarks.stale import current_cases, pending_rows, shown_suites
@@ -193,6 +193,7 @@ def render_record(
             default=len(lines) - 1,
         )
         lines.insert(at + 1, line)
+    lines += collectives.table(results)
     compiled = [r for r in results if r.compile_s is not None and r.suite != "compile"]
     if compiled:
         lines += [

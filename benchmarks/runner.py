@@ -9,7 +9,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable
 
-from benchmarks import memory
+from benchmarks import memory, peak
 from benchmarks.harness import (
     Case,
     Fn,
@@ -80,7 +80,7 @@ def run_case(suite: str, case: Case, proto: Protocol, log: Callable[[str], None]
             for name, fn in fns.items():
                 results[name].kernels = count_kernels(fn)
                 try:
-                    results[name].mem_tensors = memory.measure_cuda(fn)
+                    results[name].mem_tensors = peak.measure_cuda(fn)
                 except Exception as e:  # e.g. out of memory: the row says so
                     log(f"    memory {name}: {type(e).__name__}: {str(e)[:200]}")
         del fns, inputs

@@ -3,7 +3,17 @@
 from __future__ import annotations
 
 from benchmarks.harness import Suite
-from benchmarks.suites import advantages, compile_time, distill, linear, logprobs, loss, rows
+from benchmarks.suites import (
+    advantages,
+    compile_time,
+    distill,
+    linear,
+    logprobs,
+    loss,
+    padding,
+    rows,
+    tensor_parallel,
+)
 
 SUITES: dict[str, Suite] = {
     s.name: s
@@ -14,6 +24,8 @@ SUITES: dict[str, Suite] = {
         linear.SUITE,
         rows.SUITE,
         distill.SUITE,
+        padding.SUITE,
+        tensor_parallel.SUITE,
         compile_time.SUITE,
     )
 }
