@@ -106,11 +106,14 @@ def pass1(
 
 
 def uniform_rows(tp: TwoPassSpec, width: int) -> int | None:
-    """Rows per block alike on every rank of a split (its collectives run per block): from
-    the global vocabulary, so a rank's block is its share of ``TORCH_ROWS_ELEMENTS``."""
+    """Rows per block alike on every rank of a split (its collectives run per block),
+    from the global vocabulary: a rank's block is its share of the whole budget on the
+    kernels (a few hundred rows: a few dozen blocks of all-reduces at the 7B scale), of
+    ``TORCH_ROWS_ELEMENTS`` with the ATen rows."""
     if tp.split is None:
         return None
-    return max(1, TORCH_ROWS_ELEMENTS // max(tp.split.vocab, 1))
+    whole = tp.whole_budget if tp.impl == "triton" else min(tp.whole_budget, TORCH_ROWS_ELEMENTS)
+    return max(1, whole // max(tp.split.vocab, 1))
 
 
 def _entries(

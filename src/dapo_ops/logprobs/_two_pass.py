@@ -73,6 +73,7 @@ class TwoPassSpec:
     budget: int  # elements of the recomputing buffer
     split: VocabSplit | None = None  # the rank's share of a split vocabulary, or None
     piece: int = 2**22  # elements of the torch row functions' (and thresholds') pieces
+    whole_budget: int = 2**27  # the budget of the whole vocabulary (a split's ranks alike)
 
 
 def keep_by_size(keep_logits: bool | None, tokens: int, vocab: int, dtype: torch.dtype) -> bool:
