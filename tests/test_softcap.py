@@ -8,7 +8,7 @@ objectives, entropy bonus, top-k/top-p, chunk sizes off the vocabulary and token
 :func:`fused_logprobs_entropy` and :func:`linear_distill_loss` (every kind, the top-k
 paths; the teacher's logits are inputs, left as given). gradcheck on tiny shapes, masked
 garbage bitwise, ``softcap=None`` the same bits as without the option, bfloat16, and
-``torch.compile``. The Triton kernels' cap: ``tests/test_triton_linear.py``.
+``torch.compile``. The row kernels' cap: ``tests/test_row_kernels.py``.
 """
 
 from __future__ import annotations
