@@ -125,11 +125,14 @@ def stats(z_ptr, z_stride, tok_ptr, tau_ptr, par_ptr, out_ptr, N, V,
         s1 = scale * (s1 + s0 * dm) + b1
         s0 = scale * s0 + b0
         m = new
-    here = (tok >= 0) & (tok < V)
-    hit = tl.arange(0, 2) == 0
-    _zy, xy, _ty = _inputs(base, row, tok + tl.arange(0, 2), hit & here, tok, tau_ptr, par_ptr,
+    # The chosen column's two-wide block, its first lane live when ``tok`` is in [0, V):
+    # block comparisons only (Triton 3.9's interpreter miscasts a scalar bool and'ed with a
+    # block to int32, which a load refuses as a mask).
+    pair = tok + tl.arange(0, 2)
+    hit = (pair == tok) & (pair >= 0) & (pair < V)
+    _zy, xy, _ty = _inputs(base, row, pair, hit, tok, tau_ptr, par_ptr,
                            HAS_TAU, HAS_CAP, ACC)  # fmt: skip
-    xy = _sum(tl.where(hit & here, xy, 0.0))
+    xy = _sum(tl.where(hit, xy, 0.0))
     tl.store(out_ptr + row, m)
     tl.store(out_ptr + N + row, s0)
     tl.store(out_ptr + 2 * N + row, s1)
@@ -232,7 +235,9 @@ def distill_grad(z_ptr, z_stride, y_ptr, y_stride, g_ptr, g_stride, par_ptr, lse
     ok = cols < V
     _zz, x, tc = _inputs(z_ptr + row * z_stride, row, cols, ok, 0, par_ptr, par_ptr,
                          False, HAS_CAP, ACC)  # fmt: skip
-    live = ok & (tl.load(valid_ptr + row) != 0)
+    # A select, not ``ok & scalar``: Triton 3.9's interpreter miscasts a scalar bool and'ed
+    # with a block (see ``stats``).
+    live = tl.where(tl.load(valid_ptr + row) != 0, ok, False)
     y = tl.load(y_ptr + row * y_stride + cols, mask=live, other=0.0).to(ACC) / tl.load(par_ptr)
     s, t, ps, pt, m = _distill_terms(x, y, tl.load(lse_ptr + row), tl.load(lse_t_ptr + row),
                                      par_ptr, KIND)  # fmt: skip
