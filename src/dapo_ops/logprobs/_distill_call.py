@@ -39,7 +39,12 @@ from dapo_ops.logprobs._distill_terms import DistillInputs, DistillSpec, LinearD
 from dapo_ops.logprobs._distill_two_pass import TwoPassDistill
 from dapo_ops.logprobs._fused_linear import DEFAULT_FUSED_CHUNK_ELEMENTS
 from dapo_ops.logprobs._logprob_checks import auto_chunk, check_options, check_projection
-from dapo_ops.logprobs._packing import check_skip_padding, packed_map, skip_padding_map
+from dapo_ops.logprobs._packing import (
+    check_skip_padding,
+    packed_hidden,
+    packed_map,
+    skip_padding_map,
+)
 from dapo_ops.logprobs._softcap import check_softcap
 from dapo_ops.logprobs._two_pass import two_pass_spec
 from dapo_ops.logprobs._vocab_parallel import VocabSplit, split_vocab, tp_only_normalizer
@@ -180,14 +185,8 @@ def _packed(hidden: object, o: DistillOptions) -> Any:
     cu = o.get("cu_seqlens")
     if cu is None:
         return None
-    check_float("hidden", hidden)  # type: ignore[arg-type]
-    assert isinstance(hidden, Tensor)
-    if hidden.ndim != 3 or hidden.shape[0] != 1:
-        raise InputError(
-            f"hidden must have shape [1, total, d] with cu_seqlens (the packed layout of "
-            f"verl's remove-padding forward), got {shape_str(hidden)}"
-        )
-    return packed_map(cu, hidden.shape[1], hidden.device)
+    h = packed_hidden(hidden)
+    return packed_map(cu, h.shape[1], h.device)
 
 
 def run(

@@ -25,7 +25,6 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from dapo_ops._core._validate import InputError
 from dapo_ops.kernels.distill import grad_full_, params, probs_
 from dapo_ops.kernels.rows import compute_dtype
 from dapo_ops.logprobs._distill_rows import BlockTerms, block_terms
@@ -39,7 +38,7 @@ from dapo_ops.logprobs._two_pass import (
     logits_into,
     products2,
 )
-from dapo_ops.logprobs._two_pass_loss import no_split_twice
+from dapo_ops.logprobs._two_pass_loss import definition_grads
 
 
 class DistillPass1(NamedTuple):
@@ -272,17 +271,11 @@ class TwoPassDistill(torch.autograd.Function):
         hidden, weight, bias, h = ctx.saved_tensors
         need: tuple[bool, bool, bool] = tuple(bool(n) for n in ctx.needs_input_grad[:3])  # type: ignore[assignment]
         if torch.is_grad_enabled():  # create_graph=True: differentiate the definition
-            no_split_twice(ctx.tp)
-            if ctx.rm is not None:
-                raise InputError(
-                    "create_graph=True (double backward) is not available with skip_padding: "
-                    "the definition it differentiates is the padded grid's"
-                )
-            wanted = [x for x, n in zip((hidden, weight, bias), need, strict=True) if n]
-            with torch.enable_grad():
-                loss = reference_loss(ctx.spec, hidden, weight, bias, ctx.inputs)
-                got = iter(torch.autograd.grad(loss, wanted, grad_out, create_graph=True))
-            return (*(next(got) if n else None for n in need), None, None, None, None)
+
+            def reference() -> Tensor:
+                return reference_loss(ctx.spec, hidden, weight, bias, ctx.inputs)
+
+            return definition_grads(ctx, (hidden, weight, bias), need, reference, grad_out, 4)
         p1: DistillPass1 = ctx.p1
         if ctx.tp.keep and p1.logits is None:  # a second backward: form the logits again
             p1 = p1._replace(logits=logits_into(h.new_empty(h.shape[0], weight.shape[0]), h, weight, bias))  # fmt: skip

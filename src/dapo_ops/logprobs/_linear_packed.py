@@ -12,8 +12,8 @@ from typing import Any
 
 from torch import Tensor
 
-from dapo_ops._core._validate import InputError, check_float, shape_str
-from dapo_ops.logprobs._packing import Packed, packed_map, to_grid
+from dapo_ops._core._validate import InputError, shape_str
+from dapo_ops.logprobs._packing import Packed, packed_hidden, packed_map, to_grid
 
 #: The per-token options laid out in the grid with the per-token arguments.
 PER_TOKEN_OPTIONS = ("ref_logp", "is_weights")
@@ -35,13 +35,7 @@ def unpack(
 ) -> tuple[Packed, Tensor, tuple[Any, ...], Any]:  # fmt: skip
     """``(packed, hidden's grid stand-in, (tokens, old_logp, advantages, mask) in the
     grid, the options with their per-token tensors in the grid)``."""
-    check_float("hidden", hidden)  # type: ignore[arg-type]
-    assert isinstance(hidden, Tensor)
-    if hidden.ndim != 3 or hidden.shape[0] != 1:
-        raise InputError(
-            f"hidden must have shape [1, total, d] with cu_seqlens (the packed layout of "
-            f"verl's remove-padding forward), got {shape_str(hidden)}"
-        )
+    hidden = packed_hidden(hidden)
     total = hidden.shape[1]
     packed = packed_map(cu_seqlens, total, hidden.device)
     seqs, width = packed.grid

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from dapo_ops._core._validate import InputError, check_tensor, shape_str
+from dapo_ops._core._validate import InputError, check_float, check_tensor, shape_str
 
 
 class RowMap(NamedTuple):
@@ -77,6 +77,18 @@ class Packed(NamedTuple):
     def pack(self, x: Tensor) -> Tensor:
         """A grid tensor back to ``[1, total]`` (:func:`from_grid`)."""
         return from_grid(x, self)
+
+
+def packed_hidden(hidden: object) -> Tensor:
+    """``hidden`` checked as the packed ``[1, total, d]`` of ``cu_seqlens``."""
+    check_float("hidden", hidden)  # type: ignore[arg-type]
+    assert isinstance(hidden, Tensor)
+    if hidden.ndim != 3 or hidden.shape[0] != 1:
+        raise InputError(
+            f"hidden must have shape [1, total, d] with cu_seqlens (the packed layout of "
+            f"verl's remove-padding forward), got {shape_str(hidden)}"
+        )
+    return hidden
 
 
 def packed_map(cu_seqlens: object, total: int, device: torch.device) -> Packed:

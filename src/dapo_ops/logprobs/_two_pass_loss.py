@@ -13,6 +13,7 @@ differentiates the definition (the naive composition).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -55,6 +56,24 @@ def no_split_twice(tp: TwoPassSpec) -> None:
             "create_graph=True (double backward) is not available with vocab_group: the "
             "definition it differentiates needs the whole vocabulary on one rank"
         )
+
+
+def definition_grads(
+    ctx: Any, leaves: tuple[Tensor, Tensor, Tensor | None], need: tuple[bool, bool, bool],
+    reference: Callable[[], Tensor], grad_out: Tensor | None, nones: int,
+) -> tuple[Tensor | None, ...]:  # fmt: skip
+    """``create_graph=True``: the gradients of the definition (``reference()``, the naive
+    composition with differentiable ops), then ``nones`` Nones for the other inputs."""
+    no_split_twice(ctx.tp)
+    if getattr(ctx, "rm", None) is not None:
+        raise InputError(
+            "create_graph=True (double backward) is not available with skip_padding or "
+            "cu_seqlens: the definition it differentiates is the padded grid's"
+        )
+    wanted = [x for x, n in zip(leaves, need, strict=True) if n and x is not None]
+    with torch.enable_grad():
+        got = iter(torch.autograd.grad(reference(), wanted, grad_out, create_graph=True))
+    return (*(next(got) if n else None for n in need), *(None,) * nones)
 
 
 def _rows(hidden: Tensor, valid: Tensor | None) -> Tensor:
@@ -127,17 +146,11 @@ class TwoPassPolicyLoss(torch.autograd.Function):
         hidden, weight, bias, h, a, *rest = ctx.saved_tensors
         need: tuple[bool, bool, bool] = tuple(bool(n) for n in ctx.needs_input_grad[:3])  # type: ignore[assignment]
         if torch.is_grad_enabled():  # create_graph=True: differentiate the definition
-            no_split_twice(ctx.tp)
-            if ctx.rm is not None:
-                raise InputError(
-                    "create_graph=True (double backward) is not available with skip_padding "
-                    "or cu_seqlens: the definition it differentiates is the padded grid's"
-                )
-            wanted = [x for x, n in zip((hidden, weight, bias), need, strict=True) if n]
-            with torch.enable_grad():
-                loss = reference_loss(ctx.spec, hidden, weight, bias, ctx.inputs)
-                got = iter(torch.autograd.grad(loss, wanted, grad_out, create_graph=True))
-            return (*(next(got) if n else None for n in need), None, None, None, None)
+
+            def reference() -> Tensor:
+                return reference_loss(ctx.spec, hidden, weight, bias, ctx.inputs)
+
+            return definition_grads(ctx, (hidden, weight, bias), need, reference, grad_out, 4)
         g = grad_out.to(a.dtype)
         rm: RowMap | None = ctx.rm
         bvec = _pick(rest[0] * g, rm) if rest else None
@@ -190,15 +203,15 @@ class TwoPassLogpEntropy(torch.autograd.Function):
             return (None,) * 5
         p1: Pass1 = ctx.p1
         if torch.is_grad_enabled():  # create_graph=True: differentiate the definition
-            no_split_twice(ctx.tp)
-            wanted = [x for x, n in zip((hidden, weight, bias), need, strict=True) if n]
-            with torch.enable_grad():
+
+            def reference() -> Tensor:
                 logp, ent = reference_logp_entropy(hidden, weight, bias, ctx.tok, ctx.tp, p1.tau)
                 total = logp.new_zeros(())
                 for g, v in ((grad_logp, logp), (grad_ent, ent)):
                     total = total if g is None else total + (g * v).sum()
-                got = iter(torch.autograd.grad(total, wanted, create_graph=True))
-            return (*(next(got) if n else None for n in need), None, None)
+                return total
+
+            return definition_grads(ctx, (hidden, weight, bias), need, reference, None, 2)
         cdt = p1.lse.dtype
         a = p1.lse.new_zeros(p1.lse.shape) if grad_logp is None else grad_logp.to(cdt)
         bvec = None if grad_ent is None else grad_ent.to(cdt)
