@@ -14,7 +14,13 @@ path that runs (refusing what cannot run, naming the option):
   Their memory knob is ``keep_logits``.
 - ``"auto"``: ``"triton"`` on CUDA (``"two_pass"`` if Triton is missing), ``"chunked"``
   elsewhere and under ``torch.compile``; ``chunk_size`` picks ``"chunked"``,
-  ``keep_logits`` a two-pass backend.
+  ``keep_logits`` (or ``skip_padding``) a two-pass backend.
+
+Under ``torch.compile(fullgraph=True)`` the ATen two-pass backend traces too (its row
+work then fuses into the kernels inductor generates); the Triton rows, ``vocab_group``
+(its shape exchange between ranks) and ``cu_seqlens`` (the grid's size read from the
+boundaries) run eagerly only, and ``skip_padding`` needs its count given
+(:func:`dapo_ops.logprobs._packing.check_skip_padding`).
 """
 
 from __future__ import annotations
@@ -77,13 +83,7 @@ def resolve(
             f"{backend!r} sizes its blocks itself (keep_logits chooses its memory)"
         )
     if is_compiling():
-        if two_pass_asked:
-            raise InputError(
-                f"backend={backend!r}, keep_logits, vocab_group, skip_padding and cu_seqlens "
-                "run eagerly only; under torch.compile use backend='chunked' (or 'auto') "
-                "without them"
-            )
-        return "chunked"
+        return _compiled_path(backend, needs, two_pass_asked)
     if backend == "auto":
         if device.type == "cuda":
             return "triton" if _has_triton() else "two_pass"
@@ -103,3 +103,32 @@ def resolve(
                 "torch); backend='two_pass' runs the same design without it"
             )
     return backend  # type: ignore[return-value]
+
+
+EAGER_ONLY = {
+    "vocab_group": "its ranks exchange their shapes on the host before the passes",
+    "cu_seqlens": "the grid's size is read from the boundaries on the host",
+}
+
+
+def refuse_compiled(option: str) -> None:
+    """``InputError`` naming ``option`` (a key of :data:`EAGER_ONLY`) under torch.compile."""
+    if is_compiling():
+        raise InputError(
+            f"{option} runs eagerly only ({EAGER_ONLY[option]}): call the function outside "
+            "torch.compile, or leave it out of the compiled region"
+        )
+
+
+def _compiled_path(backend: object, needs: str | None, two_pass_asked: bool) -> Path:
+    """The path under ``torch.compile``: ``"two_pass"`` (ATen rows) when a two-pass
+    option asks for it, ``"chunked"`` otherwise; what cannot trace is refused by name."""
+    if needs in EAGER_ONLY:
+        refuse_compiled(needs)
+    if backend == "triton":
+        raise InputError(
+            "backend='triton' runs eagerly only (its kernels are launched outside the traced "
+            "graph); under torch.compile use backend='two_pass' (the same design on ATen ops, "
+            "fused by the compiler) or 'chunked'"
+        )
+    return "two_pass" if two_pass_asked else "chunked"

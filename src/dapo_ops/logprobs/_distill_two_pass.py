@@ -19,6 +19,7 @@ the teacher's logits are split alike and its top-k ids are global; pass 2 is loc
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -76,20 +77,9 @@ def pass1(
     valid = t.valid.reshape(-1)[grid_rows]
     parts: list[BlockTerms] = []
     par = kernel_params(spec, tp, cdt, h.device)
-
-    def visit(z: Tensor, rows: slice) -> None:
-        parts.append(block_terms(spec, z, t, grid_rows[rows], tp, par))
-
+    visit = functools.partial(_visit_terms, spec, t, grid_rows, tp, par, parts)
     logits = blocks1(tp, h, w, b, visit, uniform_rows(tp, w.shape[0]))
-
-    def cat(i: int) -> Tensor | None:
-        got: list[Tensor] = []
-        for part in parts:
-            x = part[i]
-            if x is not None:
-                got.append(x)
-        return torch.cat(got) if got else None
-
+    cat = functools.partial(_cat_terms, parts)
     empty = h.new_zeros(0, dtype=cdt)
     loss = cat(0)
     per_token = empty if loss is None else torch.where(valid, loss, 0.0)
@@ -102,6 +92,24 @@ def pass1(
         total, per_token, cat(8), cat(9), empty if lse is None else lse, weight, cat(3),
         cat(4), cat(5), cat(6), cat(7), logits,
     )  # fmt: skip
+
+
+# Module functions bound by functools.partial, not closures (see _two_pass._visit_stats).
+def _visit_terms(
+    spec: DistillSpec, t: DistillInputs, grid_rows: Tensor, tp: TwoPassSpec,
+    par: Tensor | None, parts: list[BlockTerms], z: Tensor, rows: slice,
+) -> None:  # fmt: skip
+    parts.append(block_terms(spec, z, t, grid_rows[rows], tp, par))
+
+
+def _cat_terms(parts: list[BlockTerms], i: int) -> Tensor | None:
+    """Field ``i`` of every block's terms, concatenated (None where no block has it)."""
+    got: list[Tensor] = []
+    for part in parts:
+        x = part[i]
+        if x is not None:
+            got.append(x)
+    return torch.cat(got) if got else None
 
 
 def uniform_rows(tp: TwoPassSpec, width: int) -> int | None:
@@ -206,20 +214,43 @@ def pass2(
     id0 = 0 if tp.split is None else tp.split.start
 
     par = kernel_params(spec, tp, cdt, h.device)
+    rows = _RowGrad(spec, p1, t, par, coef, valid, grid_rows, id0, cdt)
+    return products2(tp, h, w, b, p1.logits, functools.partial(_row_grad, rows), need)
 
-    def row_grad(z: Tensor, rows: slice, col0: int) -> None:
-        if par is not None:
-            _kernel_grad_(spec, p1, t, z, par, coef, rows, grid_rows, col0, id0)
-            return
-        x, tanh = scaled(z, spec, cdt)
-        s = x - p1.lse[rows].unsqueeze(1)
-        g = _entries(spec, p1, t, s, rows, grid_rows[rows], col0, id0)
-        g = g * coef[rows].unsqueeze(1)
-        if tanh is not None:
-            g = g * (1.0 - tanh * tanh)
-        z.copy_(torch.where(valid[rows], g, 0.0))
 
-    return products2(tp, h, w, b, p1.logits, row_grad, need)
+class _RowGrad(NamedTuple):
+    """What pass 2's slices share."""
+
+    spec: DistillSpec
+    p1: DistillPass1
+    t: DistillInputs
+    par: Tensor | None
+    coef: Tensor
+    valid: Tensor
+    grid_rows: Tensor
+    id0: int
+    cdt: torch.dtype
+
+
+def _row_grad(r: _RowGrad, z: Tensor, rows: slice, col0: int) -> None:
+    """Pass 2 on a slice: the logits' gradient over ``z``, in place."""
+    if r.par is not None:
+        _kernel_grad_(r.spec, r.p1, r.t, z, r.par, r.coef, rows, r.grid_rows, col0, r.id0)
+        return
+    x, tanh = scaled(z, r.spec, r.cdt)
+    s = x - r.p1.lse[rows].unsqueeze(1)
+    g = _entries(r.spec, r.p1, r.t, s, rows, r.grid_rows[rows], col0, r.id0)
+    g = g * r.coef[rows].unsqueeze(1)
+    if tanh is not None:
+        g = g * (1.0 - tanh * tanh)
+    z.copy_(torch.where(r.valid[rows], g, 0.0))
+
+
+def _on_grid(shape: torch.Size, grid_rows: Tensor | None, x: Tensor) -> Tensor:
+    """Per-row values in the ``[batch, seq]`` grid (0 off ``grid_rows``; all rows: None)."""
+    if grid_rows is None:
+        return x.view(shape).clone()
+    return x.new_zeros(shape.numel()).index_copy(0, grid_rows, x).view(shape)
 
 
 class TwoPassDistill(torch.autograd.Function):
@@ -254,14 +285,10 @@ class TwoPassDistill(torch.autograd.Function):
             grid_rows,
         )
         ctx.save_for_backward(hidden, weight, bias, h)
-
-        def grid(x: Tensor) -> Tensor:
-            if rm is None:
-                return x.view(shape).clone()
-            return x.new_zeros(size).index_copy(0, grid_rows, x).view(shape)
-
-        empty = p1.per_token.new_zeros(0)
-        extra = [empty if x is None else grid(x) for x in (p1.smass, p1.tmass)]
+        grid = functools.partial(_on_grid, shape, None if rm is None else grid_rows)
+        # one empty tensor per missing output: torch.compile cannot wire one tensor
+        # returned twice into the backward graph
+        extra = [p1.per_token.new_zeros(0) if x is None else grid(x) for x in (p1.smass, p1.tmass)]
         per_token = grid(p1.per_token)
         ctx.mark_non_differentiable(per_token, *extra)
         return total.clone(), per_token, extra[0], extra[1]

@@ -29,7 +29,14 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from dapo_ops._core._validate import InputError, check_float, check_tensor, shape_str
+from dapo_ops._core._validate import (
+    InputError,
+    check_float,
+    check_tensor,
+    is_compiling,
+    shape_str,
+)
+from dapo_ops.logprobs._backends import refuse_compiled
 
 
 class RowMap(NamedTuple):
@@ -43,6 +50,12 @@ def check_skip_padding(skip_padding: object, valid: Tensor) -> int | None:
     if skip_padding is False:
         return None
     if skip_padding is True:
+        if is_compiling():
+            raise InputError(
+                "skip_padding=True counts the valid tokens on the host (one sync), which "
+                "torch.compile(fullgraph=True) cannot trace: pass the count, "
+                "skip_padding=int(mask.sum()), computed outside the compiled region"
+            )
         return int(valid.sum())  # the count: one host sync
     if isinstance(skip_padding, bool) or not isinstance(skip_padding, int):
         raise InputError(
@@ -93,6 +106,7 @@ def packed_hidden(hidden: object) -> Tensor:
 
 def packed_map(cu_seqlens: object, total: int, device: torch.device) -> Packed:
     """The grid of the sequences ``cu_seqlens`` delimits (one host read of it)."""
+    refuse_compiled("cu_seqlens")
     check_tensor("cu_seqlens", cu_seqlens)
     assert isinstance(cu_seqlens, Tensor)
     cu = cu_seqlens

@@ -172,15 +172,9 @@ def blocks1(
     a time (``rows_per_block`` of them when given: the same blocks on every rank); the
     ``[N, V]`` logits returned when kept, else None."""
     n, vocab = h.shape[0], w.shape[0]
-
-    def pieces(s: int, e: int) -> list[tuple[int, int]]:
-        if rows_per_block is None:
-            return [(s + a, s + c) for a, c in _row_pieces(spec, e - s, vocab)]
-        return [(a, min(a + rows_per_block, e)) for a in range(s, e, rows_per_block)]
-
     if spec.keep:
         z = logits_into(h.new_empty(n, vocab), h, w, b)
-        for s, e in pieces(0, n):
+        for s, e in _visits(spec, vocab, rows_per_block, 0, n):
             visit(z[s:e], slice(s, e))
         return z
     rows = max(1, spec.budget // vocab) if rows_per_block is None else rows_per_block
@@ -188,9 +182,18 @@ def blocks1(
     for s in range(0, n, rows):
         e = min(s + rows, n)
         z = logits_into(_view(buf, e - s, vocab), h[s:e], w, b)
-        for s2, e2 in pieces(s, e):
+        for s2, e2 in _visits(spec, vocab, rows_per_block, s, e):
             visit(z[s2 - s : e2 - s], slice(s2, e2))
     return None
+
+
+def _visits(
+    spec: TwoPassSpec, vocab: int, rows_per_block: int | None, s: int, e: int
+) -> list[tuple[int, int]]:
+    """The blocks of rows ``[s, e)`` that pass 1 hands to its visitor."""
+    if rows_per_block is None:
+        return [(s + a, s + c) for a, c in _row_pieces(spec, e - s, vocab)]
+    return [(a, min(a + rows_per_block, e)) for a in range(s, e, rows_per_block)]
 
 
 def pass1(spec: TwoPassSpec, h: Tensor, w: Tensor, b: Tensor | None, tok: Tensor) -> Pass1:
@@ -199,18 +202,25 @@ def pass1(spec: TwoPassSpec, h: Tensor, w: Tensor, b: Tensor | None, tok: Tensor
     pieces = h.new_empty((4, h.shape[0]), dtype=cdt)
     taus: list[Tensor] = []
     tok = local_ids(tok, spec)
-
-    def visit(z: Tensor, rows: slice) -> None:
-        tau = _thresholds(z, spec)
-        pieces[:, rows] = stats(z, tok[rows], tau, spec.rows, spec.impl)
-        if tau is not None:
-            taus.append(tau)
-
-    logits = blocks1(spec, h, w, b, visit)
+    logits = blocks1(spec, h, w, b, functools.partial(_visit_stats, spec, tok, pieces, taus))
     if spec.split is not None:
         pieces = merge_stats(pieces, spec.split)
     logp, ent, lse = finish(pieces)
     return Pass1(logp, ent, lse, torch.cat(taus) if taus else None, logits)
+
+
+# The visitors of the passes are module functions bound by functools.partial, not
+# closures: torch.compile traces them inside the autograd functions either way, but a
+# closure is a function made at run time, which a decorating import hook (the test suite's
+# jaxtyping one) then wraps at run time too, and that wrapping does not trace.
+def _visit_stats(
+    spec: TwoPassSpec, tok: Tensor, pieces: Tensor, taus: list[Tensor], z: Tensor, rows: slice
+) -> None:
+    """Pass 1 on a block: the rows' statistics into ``pieces``, the thresholds kept."""
+    tau = _thresholds(z, spec)
+    pieces[:, rows] = stats(z, tok[rows], tau, spec.rows, spec.impl)
+    if tau is not None:
+        taus.append(tau)
 
 
 @functools.lru_cache(maxsize=4)
@@ -296,11 +306,14 @@ def pass2(
     the same inputs."""
     cdt = compute_dtype(h.dtype)
     up = (p1.lse, p1.ent, a.to(cdt), None if bvec is None else bvec.to(cdt))
-    tok = local_ids(tok, spec)
-
-    def row_grad(z: Tensor, rows: slice, col0: int) -> None:
-        part = tuple(None if x is None else x[rows] for x in up)
-        tau = None if p1.tau is None else p1.tau[rows]
-        grad_(z, z, tok[rows], tau, spec.rows, part, spec.impl, col0)  # type: ignore[arg-type]
-
+    row_grad = functools.partial(_row_grad, spec, local_ids(tok, spec), up, p1.tau)
     return products2(spec, h, w, b, p1.logits, row_grad, need)
+
+
+def _row_grad(
+    spec: TwoPassSpec, tok: Tensor, up: tuple[Tensor | None, ...], tau: Tensor | None,
+    z: Tensor, rows: slice, col0: int,
+) -> None:  # fmt: skip
+    """Pass 2 on a slice: the logits' gradient over ``z``, in place."""
+    part = tuple(None if x is None else x[rows] for x in up)
+    grad_(z, z, tok[rows], None if tau is None else tau[rows], spec.rows, part, spec.impl, col0)  # type: ignore[arg-type]

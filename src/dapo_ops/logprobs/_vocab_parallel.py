@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from dapo_ops._core._validate import InputError
+from dapo_ops.logprobs._backends import refuse_compiled
 
 T = TypeVar("T")
 
@@ -92,6 +93,7 @@ def split_vocab(
     """``prepare(global vocab)`` on every rank, or the same ``InputError`` on every rank.
 
     ``agreed``: what every rank must pass alike (shapes, dtypes, options), by name."""
+    refuse_compiled("vocab_group")
     import torch.distributed as dist
 
     g = check_group(group)

@@ -134,8 +134,9 @@ def linear_distill_loss(
     deliberate: float64 inputs are computed in float64 (verl's KL casts to float32); a
     teacher log-prob of ``-inf`` contributes 0 (TRL and verl: NaN).
 
-    Two designs (``backend``; ``docs/linear_loss.md``). ``"two_pass"`` (``"auto"`` on
-    CUDA; ATen row functions, ``"triton"`` is refused): pass 1 keeps per row what forms
+    Two designs (``backend``; ``docs/linear_loss.md``). The two-pass one (``"triton"``,
+    ``"auto"`` on CUDA: the row work in Triton kernels, the top-k gathers in ATen ops;
+    ``"two_pass"``: ATen row functions, any device): pass 1 keeps per row what forms
     the gradient of the logits one entry at a time, pass 2 forms it and multiplies;
     ``keep_logits=True`` keeps the ``[tokens, vocab]`` logits in the input dtype (3
     products), ``False`` forms them again (4 products, one buffer of ``2**27`` elements on
@@ -164,7 +165,9 @@ def linear_distill_loss(
     gradient, whatever hidden, teacher, teacher_ids and is_weights hold there. The
     teacher must not require grad. ``chunk_size``: tokens per chunk (None: ``max(1, E //
     vocab)``, as :func:`linear_policy_loss`). Under ``torch.compile(fullgraph=True)`` the
-    chunks are traced as functional ops; double backward differentiates the naive
+    chunks are traced as functional ops, and ``"two_pass"`` as it runs (``skip_padding``
+    with its count too; ``skip_padding=True``, ``cu_seqlens`` and ``vocab_group`` are
+    refused there by name); double backward differentiates the naive
     composition. Host syncs beyond the ids' check: ``skip_padding=True`` one,
     ``cu_seqlens`` one, and ``vocab_group`` two small object exchanges among its ranks.
 

@@ -158,7 +158,8 @@ def linear_policy_loss(
             ``skip_padding``, ``cu_seqlens``: then ``"two_pass"``); ``chunk_size`` picks
             ``"chunked"``. ``"triton"``: the Triton row kernels of :mod:`dapo_ops.kernels`
             (CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``); ``"two_pass"``: the
-            same design with ATen row functions, any device. Both run eagerly only.
+            same design with ATen row functions, any device, and under
+            ``torch.compile`` (``"triton"`` runs eagerly only).
         keep_logits: the two-pass memory setting: ``True`` keeps the logits (3 products),
             ``False`` forms them again (4 products, one buffer); ``None`` (default) keeps
             them when rows x vocab x the input dtype's size is at most
@@ -199,7 +200,9 @@ def linear_policy_loss(
     Double backward (``create_graph=True``) differentiates the definition (the whole
     logits, the naive path's memory; not with ``vocab_group``, ``skip_padding`` or
     ``cu_seqlens``). Under ``torch.compile(fullgraph=True)`` the chunked backend is
-    traced as functional ops (objectives with ``grad``).
+    traced as functional ops (objectives with ``grad``), and ``"two_pass"`` as it runs
+    (``skip_padding`` with its count too); ``skip_padding=True``, ``cu_seqlens`` and
+    ``vocab_group`` read sizes on the host and are refused there by name.
 
     Example:
         >>> g = torch.Generator().manual_seed(0)

@@ -270,7 +270,8 @@ def fused_logprobs_entropy(
         temperature: logits are divided by ``T > 0`` (default 1).
         backend: ``"auto"`` (default), ``"triton"``, ``"two_pass"`` or ``"chunked"``, as
             in :func:`dapo_ops.linear_policy_loss` (``keep_logits`` and ``vocab_group``
-            pick a two-pass one on CPU; the two-pass backends run eagerly only).
+            pick a two-pass one on CPU; under ``torch.compile`` ``"two_pass"`` traces,
+            ``"triton"`` and ``vocab_group`` run eagerly only).
         keep_logits: the two-pass memory setting, as above: True, False, or None
             (default: by size, ``tokens x vocab x`` the dtype's size at most 4 GiB).
         chunk_size: the chunked backend's rows per chunk (giving it picks that backend);
