@@ -30,8 +30,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_runtime_typecheck")]
 
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Several token blocks and vocabulary slices (13-id vocabulary, 24 tokens)."""
-    monkeypatch.setitem(_two_pass.BUDGET_ELEMENTS, "cpu", 60)
+    """Two token blocks and two vocabulary slices (13-id vocabulary, 24 tokens: blocks of
+    15 rows, slices of 8 ids): the loops are unrolled in the graph, so few of them."""
+    monkeypatch.setitem(_two_pass.BUDGET_ELEMENTS, "cpu", 200)
 
 
 def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -46,13 +47,12 @@ def count(p: dict[str, Tensor]) -> int:
 @pytest.mark.parametrize(
     ("objective", "opts"),
     [
-        pytest.param(d.ClipHigher(), {"keep_logits": True}, id="clip-higher-keep"),
-        pytest.param(d.GSPO(), {"keep_logits": False, "skip_padding": count}, id="gspo-skip"),
         pytest.param(
             d.ClipHigher(dual_clip=3.0),
-            {"skip_padding": count, "mode": "seq_mean_token_mean"},
-            id="dual-clip-skip-seq-mean",
+            {"keep_logits": True, "mode": "seq_mean_token_mean"},
+            id="dual-clip-keep-seq-mean",
         ),
+        pytest.param(d.GSPO(), {"keep_logits": False, "skip_padding": count}, id="gspo-skip"),
     ],
 )
 def test_policy_loss_compiles(objective: d.Objective, opts: dict[str, Any]) -> None:
@@ -83,8 +83,11 @@ def distill_naive(p: dict[str, Tensor], teacher: Tensor, kind: str) -> Callable[
     return fn
 
 
-@pytest.mark.parametrize("kind", ["forward_kl", "reverse_kl"])
-@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize(
+    ("kind", "keep"),
+    [("forward_kl", True), ("reverse_kl", False)],
+    ids=["fkl-keep", "rkl-recompute"],
+)
 def test_whole_vocabulary_distillation_compiles(kind: str, keep: bool) -> None:
     p = problem()
     g = torch.Generator().manual_seed(1)
