@@ -5,8 +5,8 @@ caller's count, and every call kind (policy loss, log-probs and entropies, whole
 and top-k distillation) trace as one graph each; float64 results and gradients are within
 ``F64_RTOL`` of the naive composition (the eager two-pass call is, by tests/test_two_pass.py,
 and so the compiled one is checked against the naive reference directly). What needs the
-host is refused by name: ``skip_padding=True`` (the count), ``cu_seqlens`` (the grid),
-``vocab_group`` (the ranks' shape exchange) and ``backend="triton"`` (kernels launched
+host is refused by name, before any other check: ``skip_padding=True`` (the count),
+``cu_seqlens`` (the grid), ``vocab_group`` (the ranks' shape exchange) and ``backend="triton"`` (kernels launched
 outside the graph). Compiled with ``aot_eager``: it traces forward and backward as inductor
 does, in a fraction of the time.
 """
@@ -136,6 +136,7 @@ def test_what_needs_the_host_is_refused_by_name() -> None:
     args = (p["tokens"], p["old"].float(), p["adv"].float(), p["mask"])
     flat = (x.reshape(1, -1, *x.shape[2:]) for x in (h, *args))
     packed = dict(zip(("h", "tokens", "old", "adv", "mask"), flat, strict=True))
+    group = object()  # refused before it is looked at (no torch.distributed here)
     cases: list[tuple[str, Callable[[], Tensor]]] = [
         ("skip_padding=True", lambda: d.linear_policy_loss(h, w, *args, skip_padding=True)),
         ("backend='triton'", lambda: d.linear_policy_loss(h, w, *args, backend="triton")),
@@ -146,6 +147,8 @@ def test_what_needs_the_host_is_refused_by_name() -> None:
         ("skip_padding=True", lambda: d.linear_distill_loss(
             h, w, F.pad(h, (0, w.shape[0] - h.shape[-1])), p["mask"], skip_padding=True
         )),
+        ("vocab_group", lambda: d.fused_logprobs_entropy(h, w, args[0], vocab_group=group)[0]),
+        ("vocab_group", lambda: d.linear_policy_loss(h, w, *args, vocab_group=group)),
     ]  # fmt: skip
     for name, fn in cases:
         with pytest.raises(Exception, match=name.replace("(", r"\(")) as caught:

@@ -53,8 +53,11 @@ class VocabSplit:
 
 
 def check_group(group: object) -> Any:
-    """``group`` as a process group of an initialised ``torch.distributed``."""
+    """``group`` as a process group of an initialised ``torch.distributed`` (refused
+    under torch.compile: every call with a group comes here first)."""
     import torch.distributed as dist
+
+    refuse_compiled("vocab_group")
 
     if not (dist.is_available() and dist.is_initialized()):
         raise InputError(
@@ -93,7 +96,6 @@ def split_vocab(
     """``prepare(global vocab)`` on every rank, or the same ``InputError`` on every rank.
 
     ``agreed``: what every rank must pass alike (shapes, dtypes, options), by name."""
-    refuse_compiled("vocab_group")
     import torch.distributed as dist
 
     g = check_group(group)
